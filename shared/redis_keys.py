@@ -1,0 +1,37 @@
+"""Redis key names and stream conventions shared by the gateway and the scheduler.
+
+    {prefix}:requests          stream, consumer group `schedulers`; field b"m" = GenerationRequest
+    {prefix}:aborts            stream (capped); field b"m" = AbortRequest; every scheduler reads all
+    {prefix}:out:{request_id}  stream, one per request; field b"m" = RequestOutput; TTL'd
+    {prefix}:schedulers        hash: scheduler name -> last heartbeat (unix seconds)
+
+A client resumes a stream with Last-Event-ID = the Redis entry id of the last event it saw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MSG_FIELD = b"m"
+CONSUMER_GROUP = "schedulers"
+OUTPUT_TTL_S = 600        # per-request output streams expire this long after their last write
+ABORTS_MAXLEN = 10_000    # the abort stream is trimmed to about this many entries
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    prefix: str = "pagedserve"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:aborts"
+
+    @property
+    def schedulers(self) -> str:
+        return f"{self.prefix}:schedulers"
+
+    def output(self, request_id: str) -> str:
+        return f"{self.prefix}:out:{request_id}"

@@ -1,0 +1,118 @@
+"""msgpack codec for the typed messages in `shared.messages`.
+
+Every message crossing a process boundary is a `@dataclass(slots=True)` declared in
+`shared/messages.py`. On the wire a message is a msgpack array:
+
+    [WIRE_VERSION, "TypeName", field_0, field_1, ...]
+
+Fields go in declaration order (positional, no key strings: plans are sent every
+iteration, so they stay small). Nested messages are encoded the same way, without the
+version/type header. Decoding is driven by the dataclasses' type annotations, so adding a
+message type needs no codec code. No pickle anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from functools import cache
+from typing import Any, Callable, TypeVar
+
+import msgpack
+
+WIRE_VERSION = 1
+
+T = TypeVar("T")
+
+
+class WireError(ValueError):
+    """A message could not be decoded: wrong version, unknown type, or malformed body."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(cls: type[T]) -> type[T]:
+    """Class decorator: a slotted dataclass registered as a wire message."""
+    cls = dataclasses.dataclass(slots=True)(cls)
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return [_to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    """Serialise one registered message to bytes."""
+    name = type(msg).__name__
+    if name not in _REGISTRY:
+        raise WireError(f"{name} is not a registered wire message")
+    return msgpack.packb([WIRE_VERSION, name, *_to_plain(msg)], use_bin_type=True)
+
+
+def decode(data: bytes, expect: type[T] | None = None) -> T:
+    """Parse bytes produced by `encode`. Raises WireError on any mismatch."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"not a msgpack message: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise WireError("message must be [version, type, ...fields]")
+    version, name, *fields = raw
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version {version} not supported (this build speaks {WIRE_VERSION})")
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise WireError(f"unknown message type {name!r}")
+    if expect is not None and cls is not expect:
+        raise WireError(f"expected {expect.__name__}, got {name}")
+    return _decoder(cls)(fields)
+
+
+@cache
+def _decoder(tp: Any) -> Callable[[Any], Any]:
+    """Build a function turning plain msgpack data back into `tp`."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp, vars(sys.modules[tp.__module__]))
+        fields = dataclasses.fields(tp)
+        decs = [_decoder(hints[f.name]) for f in fields]
+
+        def dec_dc(v: Any) -> Any:
+            if not isinstance(v, list) or len(v) > len(decs):
+                raise WireError(f"bad {tp.__name__} body")
+            # Older senders may omit trailing fields: those take their defaults.
+            return tp(*[d(x) for d, x in zip(decs, v)])
+
+        return dec_dc
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        inner = _decoder(args[0]) if args else (lambda x: x)
+        if inner is _identity:
+            return lambda v: v if origin is list else tuple(v)
+        return lambda v: [inner(x) for x in v]
+    if origin is dict:
+        k, val = typing.get_args(tp)
+        dv = _decoder(val)
+        return lambda v: {key: dv(x) for key, x in v.items()}
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            inner = _decoder(args[0])
+            if inner is _identity:
+                return _identity
+            return lambda v: None if v is None else inner(v)
+        return _identity
+    return _identity
+
+
+def _identity(v: Any) -> Any:
+    return v
