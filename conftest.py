@@ -14,3 +14,8 @@ except Exception:  # pragma: no cover - torch is a hard dependency
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every test process shares one model cache inside the checkout (ignored by git), so the
+# bundled GGUF is converted once per clone, not once per test module.
+os.environ.setdefault("PAGEDSERVE_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache"))

@@ -1,0 +1,158 @@
+"""The executor process: a ModelRunner behind a ZeroMQ data plane and a gRPC control plane.
+
+    scheduler ──PUSH StepPlan──▶ [PULL  tcp://host:zmq_port+1+rank]  every rank
+    scheduler ◀─PULL StepResult─ [PUSH  tcp://host:zmq_port]          rank 0 only
+    scheduler ──gRPC Describe / Health / Reset / Shutdown──▶ [grpc_port] rank 0
+
+The executor binds and the scheduler connects, so a restarted scheduler finds the executor
+where it was. Plans are executed strictly one at a time, in arrival order. The executor
+decides no policy: it does what the plan says.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import zmq
+
+from services.executor.config import ExecutorConfig
+from shared.control import pb, pb_grpc
+from shared.messages import StepPlan, StepResult
+from shared.wire import WireError, decode, encode
+
+log = logging.getLogger("pagedserve.executor")
+
+
+@dataclass(slots=True)
+class ExecutorServiceConfig:
+    runner: ExecutorConfig = field(default_factory=ExecutorConfig)
+    bind_host: str = "127.0.0.1"        # loopback unless configured: the wires are unauthenticated
+    advertise_host: str | None = None   # host the scheduler should dial (default: bind_host)
+    grpc_port: int = 50051
+    zmq_port: int = 5559                # results (rank 0); plans on zmq_port + 1 + rank
+    rank: int = 0
+    tensor_parallel_size: int = 1
+
+    def endpoint(self, port: int) -> str:
+        host = self.advertise_host or self.bind_host
+        if host in ("0.0.0.0", "::", "*"):
+            host = "127.0.0.1"
+        return f"tcp://{host}:{port}"
+
+
+class _Control(pb_grpc.ExecutorControlServicer):
+    def __init__(self, server: "ExecutorServer") -> None:
+        self.server = server
+
+    def Describe(self, request, context):
+        return self.server.describe()
+
+    def Health(self, request, context):
+        s = self.server
+        return pb.HealthReply(ok=True, status="ok", steps=s.steps,
+                              uptime_s=time.time() - s.started_at, live_seqs=s.live_seqs())
+
+    def Reset(self, request, context):
+        return pb.ResetReply(dropped_seqs=self.server.reset())
+
+    def Shutdown(self, request, context):
+        self.server.stop()
+        return pb.ShutdownReply()
+
+
+class ExecutorServer:
+    def __init__(self, config: ExecutorServiceConfig, runner=None) -> None:
+        from services.executor.model_runner import ModelRunner
+
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner(config.runner)
+        self.instance_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        self.steps = 0
+        self._lock = threading.Lock()      # one plan (or reset) at a time
+        self._stop = threading.Event()
+        self._zmq = zmq.Context.instance()
+        self._grpc: grpc.Server | None = None
+
+    # ------------------------------------------------------------ control plane
+    def describe(self) -> pb.ExecutorInfo:
+        r, c = self.runner, self.config
+        plan_eps = [c.endpoint(c.zmq_port + 1 + rank) for rank in range(c.tensor_parallel_size)]
+        return pb.ExecutorInfo(
+            model=r.model_name, dtype=str(r.dtype).removeprefix("torch."), device=str(r.device),
+            block_size=r.block_size, num_gpu_blocks=r.num_gpu_blocks,
+            num_cpu_blocks=r.num_cpu_blocks, max_model_len=r.max_model_len,
+            eos_token_id=int(r.eos_token_id if r.eos_token_id is not None else -1),
+            plan_endpoints=plan_eps, result_endpoint=c.endpoint(c.zmq_port),
+            tensor_parallel_size=c.tensor_parallel_size, instance_id=self.instance_id)
+
+    def live_seqs(self) -> int:
+        return int(getattr(self.runner, "num_live_seqs", 0))
+
+    def reset(self) -> int:
+        with self._lock:
+            return int(self.runner.reset())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------ data plane
+    def serve(self) -> None:
+        c = self.config
+        plans = self._zmq.socket(zmq.PULL)
+        plans.setsockopt(zmq.LINGER, 0)
+        plans.bind(f"tcp://{c.bind_host}:{c.zmq_port + 1 + c.rank}")
+        results = None
+        if c.rank == 0:
+            results = self._zmq.socket(zmq.PUSH)
+            results.setsockopt(zmq.LINGER, 0)
+            results.bind(f"tcp://{c.bind_host}:{c.zmq_port}")
+            self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            pb_grpc.add_ExecutorControlServicer_to_server(_Control(self), self._grpc)
+            self._grpc.add_insecure_port(f"{c.bind_host}:{c.grpc_port}")
+            self._grpc.start()
+        log.info("executor rank %d ready: %s, %d GPU blocks, %d CPU blocks", c.rank,
+                 self.runner.model_name, self.runner.num_gpu_blocks, self.runner.num_cpu_blocks)
+        poller = zmq.Poller()
+        poller.register(plans, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(200):
+                    continue
+                reply = self._execute(plans.recv())
+                if results is not None and reply is not None:
+                    results.send(reply)
+        finally:
+            plans.close()
+            if results is not None:
+                results.close()
+            if self._grpc is not None:
+                self._grpc.stop(grace=0.5)
+
+    def _execute(self, data: bytes) -> bytes | None:
+        try:
+            plan = decode(data, StepPlan)
+        except WireError as exc:
+            log.error("dropping malformed plan: %s", exc)
+            return encode(StepResult(step_id=-1, error=f"malformed plan: {exc}"))
+        with self._lock:
+            try:
+                result = self.runner.execute(plan)
+            except Exception as exc:  # the runner reports its own errors; this is a last resort
+                log.exception("step %d failed", plan.step_id)
+                result = StepResult(step_id=plan.step_id, error=f"executor error: {exc}")
+            self.steps += 1
+        return encode(result)
+
+
+def run(config: ExecutorServiceConfig) -> None:
+    server = ExecutorServer(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    server.serve()

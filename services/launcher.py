@@ -1,0 +1,336 @@
+"""`pagedserve`: start one service, or the whole stack, from one command line.
+
+    pagedserve serve       Redis (unless REDIS_URL is set) + executor + scheduler + gateway
+    pagedserve gateway     the OpenAI-compatible HTTP front end
+    pagedserve scheduler   the CPU-only engine core
+    pagedserve executor    the model, KV pool and kernels (one per GPU)
+    pagedserve healthcheck {gateway,scheduler,executor}   exit 0 when healthy
+
+Every flag has an environment variable (shown in --help); flags win. Each service turns
+its flags into its own typed config object; `serve` starts each service as a separate
+process with the same flags, waits for each one's health, prints the URL, and stops them
+all cleanly on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+log = logging.getLogger("pagedserve")
+
+# (flag, env var, default, type, help). One table, shared by `serve` and each service.
+_COMMON = [
+    ("--redis-url", "REDIS_URL", None, str, "Redis URL (serve: start a private redis-server if unset)"),
+    ("--redis-prefix", "PAGEDSERVE_REDIS_PREFIX", "pagedserve", str, "prefix of every Redis key"),
+    ("--model", "PAGEDSERVE_MODEL", "SmolLM2-135M-Instruct", str,
+     "bundled model name, a .gguf file, or a Hugging Face folder"),
+    ("--max-model-len", "PAGEDSERVE_MAX_MODEL_LEN", 2048, int, "context length limit (tokens)"),
+    ("--log-level", "PAGEDSERVE_LOG_LEVEL", "info", str, "debug | info | warning"),
+]
+_GATEWAY = [
+    ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
+    ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
+    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 (empty: open)"),
+    ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int, "queued requests before 429"),
+]
+_SCHEDULER = [
+    ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
+    ("--scheduler-name", "PAGEDSERVE_SCHEDULER_NAME", None, str, "consumer name in the request group"),
+    ("--metrics-port", "PAGEDSERVE_METRICS_PORT", 0, int, "scheduler's own /metrics port (0: off)"),
+    ("--max-num-seqs", "PAGEDSERVE_MAX_NUM_SEQS", 256, int, "sequences per step"),
+    ("--max-num-batched-tokens", "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", 2048, int, "tokens per step"),
+    ("--preemption-mode", "PAGEDSERVE_PREEMPTION_MODE", "auto", str, "auto | swap | recompute"),
+    ("--policy", "PAGEDSERVE_POLICY", "fcfs", str, "fcfs | priority"),
+    ("--no-prefix-caching", "PAGEDSERVE_NO_PREFIX_CACHING", False, "flag", "disable prefix caching"),
+    ("--contiguous", "PAGEDSERVE_CONTIGUOUS", False, "flag",
+     "baseline: reserve max-model-len slots per request up front"),
+]
+_EXECUTOR = [
+    ("--bind-host", "PAGEDSERVE_BIND_HOST", "127.0.0.1", str, "executor bind address (ZeroMQ, gRPC)"),
+    ("--advertise-host", "PAGEDSERVE_ADVERTISE_HOST", None, str, "host the scheduler dials"),
+    ("--grpc-port", "PAGEDSERVE_GRPC_PORT", 50051, int, "executor control port"),
+    ("--zmq-port", "PAGEDSERVE_ZMQ_PORT", 5559, int, "results port; plans on +1+rank"),
+    ("--device", "PAGEDSERVE_DEVICE", "auto", str, "auto | cpu | cuda"),
+    ("--dtype", "PAGEDSERVE_DTYPE", "auto", str, "auto | float32 | bfloat16 | float16"),
+    ("--block-size", "PAGEDSERVE_BLOCK_SIZE", 16, int, "tokens per KV block (8, 16, 32)"),
+    ("--kv-cache-gib", "PAGEDSERVE_KV_CACHE_GIB", 1.0, float, "KV pool size on the CPU (GiB)"),
+    ("--gpu-memory-utilization", "PAGEDSERVE_GPU_MEMORY_UTILIZATION", 0.9, float,
+     "fraction of free GPU memory for the KV pool"),
+    ("--swap-space-gib", "PAGEDSERVE_SWAP_SPACE_GIB", 1.0, float, "CPU swap pool (GiB)"),
+    ("--seed", "PAGEDSERVE_SEED", 0, int, "default sampling seed"),
+]
+_SERVE = [
+    ("--startup-timeout", "PAGEDSERVE_STARTUP_TIMEOUT", 900.0, float, "seconds to wait for each service"),
+]
+
+_TABLES = {"gateway": [_COMMON, _GATEWAY], "scheduler": [_COMMON, _SCHEDULER],
+           "executor": [_COMMON, _EXECUTOR, _SCHEDULER[4:5]],
+           "serve": [_COMMON, _GATEWAY, _SCHEDULER, _EXECUTOR, _SERVE]}
+
+
+def _add(parser: argparse.ArgumentParser, table) -> None:
+    seen = {a.dest for a in parser._actions}
+    for flag, env, default, typ, help_ in table:
+        dest = flag.lstrip("-").replace("-", "_")
+        if dest in seen:
+            continue
+        raw = os.environ.get(env)
+        if typ == "flag":
+            on = raw is not None and raw.lower() not in ("", "0", "false", "no")
+            parser.add_argument(flag, action="store_true", default=on or default,
+                                help=f"{help_} [env {env}]")
+            continue
+        value = typ(raw) if raw not in (None, "") else default
+        parser.add_argument(flag, type=typ, default=value,
+                            help=f"{help_} [env {env}, default {default}]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, tables in _TABLES.items():
+        p = sub.add_parser(name, help=f"run the {name}" if name != "serve" else "run the whole stack")
+        for t in tables:
+            _add(p, t)
+        if name == "serve":
+            p.add_argument("--tensor-parallel-size", type=int, default=1,
+                           help="executor ranks (tensor parallelism)")
+    hc = sub.add_parser("healthcheck", help="exit 0 when a service is healthy")
+    hc.add_argument("service", choices=["gateway", "scheduler", "executor"])
+    for t in (_COMMON, _GATEWAY, _SCHEDULER[:2], _EXECUTOR[:4]):
+        _add(hc, t)
+    return parser
+
+
+# ---------------------------------------------------------------- config objects
+
+def _fill(cls, args: argparse.Namespace, **overrides):
+    """Build a config dataclass from the parsed flags whose names match its fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    values.update({k: v for k, v in overrides.items() if k in names})
+    return cls(**values)
+
+
+def executor_config(args):
+    from services.executor.config import ExecutorConfig
+    from services.executor.service import ExecutorServiceConfig
+
+    runner = _fill(ExecutorConfig, args, max_num_batched_tokens=args.max_num_batched_tokens)
+    return _fill(ExecutorServiceConfig, args, runner=runner)
+
+
+def scheduler_config(args):
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.service import SchedulerServiceConfig
+
+    core = _fill(SchedulerConfig, args, enable_prefix_caching=not args.no_prefix_caching)
+    extra = {"core": core, "redis_url": args.redis_url or "redis://127.0.0.1:6379/0"}
+    if args.scheduler_name:
+        extra["name"] = args.scheduler_name
+    return _fill(SchedulerServiceConfig, args, **extra)
+
+
+def gateway_config(args):
+    from services.gateway.config import GatewayConfig
+
+    keys = [k for k in (args.api_keys or "").split(",") if k]
+    return _fill(GatewayConfig, args, api_keys=keys,
+                 redis_url=args.redis_url or "redis://127.0.0.1:6379/0")
+
+
+# ---------------------------------------------------------------- service entry points
+
+def _run_service(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "executor":
+        from services.executor.service import run
+        run(executor_config(args))
+    elif args.command == "scheduler":
+        from services.scheduler.service import run
+        run(scheduler_config(args))
+    elif args.command == "gateway":
+        import uvicorn
+
+        from services.gateway.app import create_app
+        cfg = gateway_config(args)
+        uvicorn.run(create_app(cfg), host=args.host, port=args.port,
+                    log_level=args.log_level.lower(), access_log=False)
+    return 0
+
+
+def _healthcheck(args) -> int:
+    try:
+        if args.service == "gateway":
+            host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+            with urllib.request.urlopen(f"http://{host}:{args.port}/ping", timeout=3) as r:
+                return 0 if r.status == 200 else 1
+        if args.service == "executor":
+            from shared.control import ExecutorClient
+            host = "127.0.0.1" if args.bind_host in ("0.0.0.0", "::") else args.bind_host
+            return 0 if ExecutorClient(f"{host}:{args.grpc_port}").is_alive(3.0) else 1
+        import redis
+        from shared.redis_keys import RedisKeys
+        r = redis.Redis.from_url(args.redis_url or "redis://127.0.0.1:6379/0", socket_timeout=3)
+        beats = r.hgetall(RedisKeys(args.redis_prefix).schedulers)
+        name = (args.scheduler_name or "").encode()
+        fresh = [float(v) for k, v in beats.items() if not name or k == name]
+        return 0 if fresh and time.time() - max(fresh) < 5 else 1
+    except Exception as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------- the whole stack
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """Starts Redis (optional), executor, scheduler and gateway as separate processes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.tmp = tempfile.mkdtemp(prefix="pagedserve-")
+
+    def _spawn(self, name: str, argv: list[str], env=None) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def _wait(self, name: str, proc: subprocess.Popen, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {proc.returncode} during start-up")
+            try:
+                if ready():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} was not healthy after {timeout:.0f} s")
+
+    def start(self) -> str:
+        a = self.args
+        if not a.redis_url:
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise RuntimeError("redis-server not found on PATH: install it "
+                                   "(apt-get install redis-server) or set REDIS_URL")
+            port = _free_port()
+            proc = self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1",
+                                         "--save", "", "--appendonly", "no", "--dir", self.tmp,
+                                         "--loglevel", "warning"])
+            a.redis_url = f"redis://127.0.0.1:{port}/0"
+            import redis
+            self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
+        env = dict(os.environ, REDIS_URL=a.redis_url)
+        common = [sys.executable, "-m", "services.launcher"]
+        flags = _flags_for(a)
+        grpc_addr = f"127.0.0.1:{a.grpc_port}"
+        ex = self._spawn("executor", common + ["executor"] + flags["executor"], env)
+        from shared.control import ExecutorClient
+        client = ExecutorClient(grpc_addr)
+        self._wait("executor", ex, lambda: client.is_alive(1.0), a.startup_timeout)
+        sc = self._spawn("scheduler", common + ["scheduler", "--executor", grpc_addr]
+                         + flags["scheduler"], env)
+        check = argparse.Namespace(**vars(a), service="scheduler")
+        self._wait("scheduler", sc, lambda: _healthcheck(check) == 0, a.startup_timeout)
+        gw = self._spawn("gateway", common + ["gateway"] + flags["gateway"], env)
+        url = f"http://{a.host}:{a.port}"
+        self._wait("gateway", gw, lambda: urllib.request.urlopen(url + "/health", timeout=2)
+                   .status == 200, a.startup_timeout)
+        return url
+
+    def stop(self) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def wait(self) -> int:
+        """Block until a service dies (then stop the rest) or we are interrupted."""
+        while True:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    print(f"pagedserve: {name} exited with status {proc.returncode}; stopping",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+
+
+def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Re-emit the parsed flags that belong to each service, for its command line."""
+    out = {}
+    for name in ("gateway", "scheduler", "executor"):
+        flags = []
+        for table in _TABLES[name]:
+            for flag, _env, _default, typ, _help in table:
+                value = getattr(args, flag.lstrip("-").replace("-", "_"))
+                if typ == "flag":
+                    if value:
+                        flags.append(flag)
+                elif value is not None and flag != "--redis-url":
+                    flags += [flag, str(value)]
+        out[name] = flags
+    return out
+
+
+def _serve(args) -> int:
+    stack = Stack(args)
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = stack.start()
+        print(f"pagedserve is up: {url}  (OpenAI API at {url}/v1; Ctrl-C stops everything)",
+              flush=True)
+        return stack.wait()
+    except KeyboardInterrupt:
+        print("\npagedserve: shutting down", file=sys.stderr)
+        return 0
+    except RuntimeError as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "healthcheck":
+        return _healthcheck(args)
+    return _run_service(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

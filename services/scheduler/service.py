@@ -1,0 +1,282 @@
+"""The scheduler process: the engine core between Redis and the executors.
+
+One iteration, with Redis I/O overlapped with the executor's forward pass:
+
+    plan_k = schedule()          ─── ZMQ PUSH ──▶ executor ranks (forward k runs ...)
+    one Redis round trip:  publish outputs of step k-1, heartbeat, ack finished requests,
+                           read new requests (consumer group) and aborts
+    result_k  ◀── ZMQ PULL ───── executor rank 0
+    outputs_k = update(plan_k, result_k); then admit the requests / apply the aborts read above
+
+New requests and aborts are applied only between update() and the next schedule(), so the
+core never sees a change while a plan is in flight. With nothing to run, the loop blocks on
+Redis (XREADGROUP BLOCK): it never busy-spins.
+
+A request's stream entry is acknowledged only when the request ends, so a crashed
+scheduler's unfinished requests stay pending in the consumer group for another to claim.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass, field, replace
+
+import redis
+import zmq
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.scheduler import AdmissionError, Scheduler
+from shared.control import ExecutorClient
+from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
+                             StepPlan, StepResult)
+from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD, OUTPUT_TTL_S, RedisKeys
+from shared.wire import WireError, decode, encode
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass(slots=True)
+class SchedulerServiceConfig:
+    core: SchedulerConfig = field(default_factory=SchedulerConfig)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "pagedserve"
+    executor: str = "127.0.0.1:50051"     # gRPC address of executor rank 0
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}-sched")
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0                 # 0: no HTTP endpoint (the gateway serves /metrics)
+    executor_timeout_s: float = 2.0       # a silent executor is declared dead after this
+    startup_timeout_s: float = 600.0      # first model load (and GGUF conversion) can be slow
+    read_batch: int = 64                  # requests taken from the queue per round trip
+
+
+class ExecutorLost(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    entry_id: str
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerServiceConfig) -> None:
+        self.config = config
+        self.keys = RedisKeys(config.redis_prefix)
+        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10,
+                                          socket_connect_timeout=5)
+        self.executor = ExecutorClient(config.executor)
+        self.zmq = zmq.Context.instance()
+        self.sched: Scheduler | None = None
+        self.metrics: SchedulerMetrics | None = None
+        self.timing: dict[str, _Timing] = {}
+        self.recent_aborts: dict[str, float] = {}   # request_id -> when (aborts may precede reads)
+        self.abort_cursor = "0"
+        self.pending_outputs: list[RequestOutput] = []
+        self.to_ack: list[str] = []
+        self.inbox: list[GenerationRequest] = []
+        self.abort_inbox: list[AbortRequest] = []
+        self.step_id = 0
+        self._stop = False
+        self._last_beat = 0.0
+        self._last_metrics = 0.0
+
+    # ------------------------------------------------------------ set-up
+    def connect(self) -> None:
+        info = self.executor.wait_ready(self.config.startup_timeout_s)
+        self.executor.reset()
+        core = replace(self.config.core, block_size=info.block_size,
+                       max_model_len=min(self.config.core.max_model_len, info.max_model_len))
+        self.sched = Scheduler(core, int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+        self.metrics = SchedulerMetrics(info.model, self.sched.stats)
+        self.plan_socks = []
+        for ep in info.plan_endpoints:
+            s = self.zmq.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            self.plan_socks.append(s)
+        self.result_sock = self.zmq.socket(zmq.PULL)
+        self.result_sock.setsockopt(zmq.LINGER, 0)
+        self.result_sock.connect(info.result_endpoint)
+        try:
+            self.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        if self.config.metrics_port:
+            from prometheus_client import start_http_server
+            start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
+                              registry=self.metrics.registry)
+        log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
+                 info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
+
+    # ------------------------------------------------------------ main loop
+    def serve(self) -> None:
+        self.connect()
+        self._beat(force=True)
+        while not self._stop:
+            plan = self.sched.schedule()
+            if plan is None:
+                self._redis_round(block_ms=500)
+                self._apply_inbox()
+                continue
+            self._note_scheduled(plan)
+            for sock in self.plan_socks:
+                sock.send(encode(plan), copy=False)
+            self._redis_round(block_ms=0)
+            result = self._recv_result(plan.step_id)
+            self.pending_outputs.extend(self.sched.update(plan, result))
+            self._apply_inbox()
+        self._redis_round(block_ms=0)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _recv_result(self, step_id: int) -> StepResult:
+        deadline_check = time.monotonic() + self.config.executor_timeout_s
+        while True:
+            if self.result_sock.poll(100):
+                result = decode(self.result_sock.recv(), StepResult)
+                if result.step_id != step_id:
+                    log.warning("discarding result of step %d (waiting for %d)",
+                                result.step_id, step_id)
+                    continue
+                if result.error:
+                    raise ExecutorLost(result.error)
+                return result
+            if time.monotonic() > deadline_check:
+                # A long forward is fine as long as the executor still answers health checks.
+                if not self.executor.is_alive(timeout=1.0):
+                    raise ExecutorLost(f"executor {self.config.executor} stopped answering")
+                deadline_check = time.monotonic() + self.config.executor_timeout_s
+
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        now = time.time()
+        for seq in plan.new_seqs:
+            t = self.timing.get(seq.request_id)
+            if t is not None and not t.scheduled:
+                t.scheduled = now
+                self.metrics.queue.observe(max(0.0, now - t.arrival))
+
+    # ------------------------------------------------------------ Redis
+    def _redis_round(self, block_ms: int) -> None:
+        """Publish, acknowledge, heartbeat and read new work: one round trip when busy."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        pipe = self.redis.pipeline(transaction=False)
+        now = time.time()
+        for out in outputs:
+            self._observe(out, now)
+            key = self.keys.output(out.request_id)
+            pipe.xadd(key, {MSG_FIELD: encode(out)})
+            pipe.expire(key, OUTPUT_TTL_S)
+            if out.finished:
+                t = self.timing.pop(out.request_id, None)
+                if t is not None:
+                    self.to_ack.append(t.entry_id)
+        if self.to_ack:
+            pipe.xack(self.keys.requests, CONSUMER_GROUP, *self.to_ack)
+            self.to_ack = []
+        self._beat(pipe=pipe, force=any(o.finished for o in outputs))
+        pipe.xread({self.keys.aborts: self.abort_cursor}, count=1000)
+        pipe.xreadgroup(CONSUMER_GROUP, self.config.name, {self.keys.requests: ">"},
+                        count=self.config.read_batch)
+        replies = pipe.execute()
+        self._take_aborts(replies[-2])
+        got = self._take_requests(replies[-1])
+        if not got and block_ms and not self.sched.has_unfinished():
+            reply = self.redis.xreadgroup(CONSUMER_GROUP, self.config.name,
+                                          {self.keys.requests: ">"},
+                                          count=self.config.read_batch, block=block_ms)
+            self._take_requests(reply)
+
+    def _beat(self, pipe=None, force: bool = False) -> None:
+        """Heartbeat (1 s) and metrics snapshot (0.2 s, or at once when a request ended)."""
+        now = time.time()
+        target = pipe if pipe is not None else self.redis
+        if force or now - self._last_beat >= 1.0:
+            self._last_beat = now
+            target.hset(self.keys.schedulers, self.config.name, f"{now:.3f}")
+        if self.metrics is not None and (force or now - self._last_metrics >= 0.2):
+            self._last_metrics = now
+            target.set(self.keys.metrics(self.config.name), self.metrics.exposition(), ex=15)
+
+    def _take_aborts(self, reply) -> None:
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self.abort_cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    self.abort_inbox.append(decode(fields[MSG_FIELD], AbortRequest))
+                except (WireError, KeyError):
+                    log.warning("ignoring malformed abort %s", self.abort_cursor)
+
+    def _take_requests(self, reply) -> bool:
+        got = False
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                got = True
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    req = decode(fields[MSG_FIELD], GenerationRequest)
+                except (WireError, KeyError) as exc:
+                    log.warning("dropping malformed request entry %s: %s", eid, exc)
+                    self.to_ack.append(eid)
+                    continue
+                self.timing[req.request_id] = _Timing(arrival=req.arrival_time or time.time(),
+                                                      entry_id=eid)
+                self.inbox.append(req)
+        return got
+
+    def _apply_inbox(self) -> None:
+        now = time.time()
+        for ab in self.abort_inbox:
+            self.recent_aborts[ab.request_id] = now
+            out = self.sched.abort_request(ab.request_id, ab.reason)
+            if out is not None:
+                out.finished = True
+                self.pending_outputs.append(out)
+        self.abort_inbox = []
+        for req in self.inbox:
+            if req.request_id in self.recent_aborts:
+                self.pending_outputs.append(RequestOutput(
+                    req.request_id, [SeqDelta(i, [], finish_reason="abort")
+                                     for i in range(max(1, req.sampling.n))], finished=True))
+                continue
+            try:
+                self.sched.add_request(req)
+            except AdmissionError as exc:
+                self.pending_outputs.append(RequestOutput(
+                    req.request_id, [], finished=True, error=str(exc), error_code=400))
+        self.inbox = []
+        if len(self.recent_aborts) > 10_000:
+            cutoff = now - 600
+            self.recent_aborts = {k: v for k, v in self.recent_aborts.items() if v > cutoff}
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        t = self.timing.get(out.request_id)
+        if t is None:
+            return
+        new = sum(len(s.token_ids) for s in out.seqs)
+        if new:
+            if not t.first_token:
+                t.first_token = now
+                self.metrics.ttft.observe(max(0.0, now - t.arrival))
+            elif t.last_token:
+                gap = (now - t.last_token) / new
+                for _ in range(new):
+                    self.metrics.itl.observe(gap)
+            t.last_token = now
+        if out.finished and out.error is None:
+            self.metrics.e2e.observe(max(0.0, now - t.arrival))
+
+
+def run(config: SchedulerServiceConfig) -> None:
+    service = SchedulerService(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: service.stop())
+    service.serve()

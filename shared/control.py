@@ -1,0 +1,51 @@
+"""gRPC control-plane helpers shared by the executor (server) and the scheduler (client).
+
+The .proto lives in shared/proto/control.proto; control_pb2*.py are generated from it with
+`python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. shared/proto/control.proto`.
+"""
+from __future__ import annotations
+
+import grpc
+
+from shared.proto import control_pb2 as pb
+from shared.proto import control_pb2_grpc as pb_grpc
+
+__all__ = ["pb", "pb_grpc", "ExecutorClient"]
+
+
+class ExecutorClient:
+    """A thin, timeout-bounded client of one executor's control service."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.ExecutorControlStub(self._channel)
+
+    def describe(self, timeout: float = 5.0) -> pb.ExecutorInfo:
+        return self._stub.Describe(pb.DescribeRequest(), timeout=timeout)
+
+    def health(self, timeout: float = 1.0) -> pb.HealthReply:
+        return self._stub.Health(pb.HealthRequest(), timeout=timeout)
+
+    def reset(self, timeout: float = 5.0) -> pb.ResetReply:
+        return self._stub.Reset(pb.ResetRequest(), timeout=timeout)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        self._stub.Shutdown(pb.ShutdownRequest(), timeout=timeout)
+
+    def is_alive(self, timeout: float = 1.0) -> bool:
+        try:
+            return self.health(timeout).ok
+        except grpc.RpcError:
+            return False
+
+    def wait_ready(self, timeout: float) -> pb.ExecutorInfo:
+        """Block until the executor answers Describe (it loads the model first)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"executor at {self.address} did not come up in {timeout:.0f} s") from None
+        return self.describe(timeout=timeout)
+
+    def close(self) -> None:
+        self._channel.close()

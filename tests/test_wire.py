@@ -1,0 +1,62 @@
+"""Every wire message round-trips through msgpack, and bad bytes are refused clearly."""
+import msgpack
+import pytest
+
+from shared.messages import (AbortRequest, GenerationRequest, NewSeq, RequestOutput,
+                             SamplingParams, ScheduledSeq, SeqDelta, SeqSample, StepPlan,
+                             StepResult, TokenLogprob)
+from shared.wire import WIRE_VERSION, WireError, decode, encode
+
+
+def _examples():
+    sp = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=40, seed=11, max_tokens=64,
+                        stop_token_ids=[2, 7], logprobs=5, prompt_logprobs=1)
+    yield GenerationRequest("req-1", [1, 2, 3], sp, priority=-1, arrival_time=1.5)
+    yield AbortRequest("req-1", "client disconnected")
+    yield RequestOutput("req-1", [SeqDelta(0, [5, 6], [TokenLogprob(5, -0.1, [[5, -0.1], [9, -2.5]]),
+                                                       TokenLogprob(6, -0.2)], "stop", 2, -0.3)],
+                        finished=True, num_prompt_tokens=3, num_cached_tokens=0,
+                        prompt_logprobs=[None, TokenLogprob(2, -4.0, [[2, -4.0]])])
+    yield RequestOutput("req-2", [], finished=True, error="prompt too long", error_code=400)
+    yield StepPlan(7, [NewSeq(1, "req-1", [1, 2, 3], 3, [4, 9], sp, 2)],
+                   [ScheduledSeq(1, 0, 3), ScheduledSeq(2, 17, 1, [42], 1, [8])],
+                   swap_out=[[3, 0]], swap_in=[[1, 5]], copy=[[4, 6]], finished_seq_ids=[9])
+    yield StepResult(7, [SeqSample(1, 42, -0.5, [[42, -0.5], [3, -1.0]],
+                                   [TokenLogprob(2, -3.0)])], forward_ms=3.5)
+    yield StepResult(8, [], error="out of memory")
+
+
+@pytest.mark.parametrize("msg", list(_examples()), ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    assert decode(encode(msg)) == msg
+    assert decode(encode(msg), type(msg)) == msg
+
+
+def test_decode_refuses_the_wrong_expected_type():
+    with pytest.raises(WireError, match="expected StepResult"):
+        decode(encode(StepPlan(1)), StepResult)
+
+
+def test_decode_refuses_another_wire_version():
+    data = msgpack.packb([WIRE_VERSION + 1, "StepPlan", 1])
+    with pytest.raises(WireError, match="version"):
+        decode(data)
+
+
+def test_decode_refuses_garbage_and_unknown_types():
+    with pytest.raises(WireError):
+        decode(b"\xc1 not msgpack")
+    with pytest.raises(WireError, match="unknown message type"):
+        decode(msgpack.packb([WIRE_VERSION, "Pickle", 1]))
+
+
+def test_trailing_fields_missing_take_defaults():
+    """An older sender that does not know a newer optional field still decodes."""
+    data = msgpack.packb([WIRE_VERSION, "ScheduledSeq", 5, 10, 1])
+    assert decode(data) == ScheduledSeq(5, 10, 1)
+
+
+def test_a_decode_plan_stays_small():
+    """A decode step of 256 sequences is a few bytes per sequence (diffs, not tables)."""
+    plan = StepPlan(1000, scheduled=[ScheduledSeq(i, 300, 1, [1234]) for i in range(256)])
+    assert len(encode(plan)) < 256 * 16
