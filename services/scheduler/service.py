@@ -76,6 +76,8 @@ class SchedulerService:
         self.sched: Scheduler | None = None
         self.metrics: SchedulerMetrics | None = None
         self.timing: dict[str, _Timing] = {}
+        self.admitted: dict[str, GenerationRequest] = {}   # unfinished, by id
+        self.degraded: str | None = None                     # why /health should say degraded
         self.recent_aborts: dict[str, float] = {}   # request_id -> when (aborts may precede reads)
         self.abort_cursor = "0"
         self.pending_outputs: list[RequestOutput] = []
@@ -86,15 +88,25 @@ class SchedulerService:
         self._stop = False
         self._last_beat = 0.0
         self._last_metrics = 0.0
+        self._next_reclaim = time.monotonic() + 5.0
 
     # ------------------------------------------------------------ set-up
     def connect(self) -> None:
+        """Attach to the executor (waiting for it), then build a fresh engine core."""
         info = self.executor.wait_ready(self.config.startup_timeout_s)
-        self.executor.reset()
+        self.executor.reset()          # forget sequences a previous scheduler left behind
         core = replace(self.config.core, block_size=info.block_size,
                        max_model_len=min(self.config.core.max_model_len, info.max_model_len))
         self.sched = Scheduler(core, int(info.num_gpu_blocks), int(info.num_cpu_blocks))
-        self.metrics = SchedulerMetrics(info.model, self.sched.stats)
+        if self.metrics is None:
+            self.metrics = SchedulerMetrics(info.model, lambda: self.sched.stats())
+            if self.config.metrics_port:
+                from prometheus_client import start_http_server
+                start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
+                                  registry=self.metrics.registry)
+        for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
+            if sock is not None:
+                sock.close()
         self.plan_socks = []
         for ep in info.plan_endpoints:
             s = self.zmq.socket(zmq.PUSH)
@@ -104,39 +116,135 @@ class SchedulerService:
         self.result_sock = self.zmq.socket(zmq.PULL)
         self.result_sock.setsockopt(zmq.LINGER, 0)
         self.result_sock.connect(info.result_endpoint)
+        log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
+                 info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
+
+    def _ensure_group(self) -> None:
         try:
             self.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        if self.config.metrics_port:
-            from prometheus_client import start_http_server
-            start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
-                              registry=self.metrics.registry)
-        log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
-                 info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
 
     # ------------------------------------------------------------ main loop
     def serve(self) -> None:
         self.connect()
+        self._ensure_group()
+        self._reclaim_pending(include_self=True)
         self._beat(force=True)
         while not self._stop:
-            plan = self.sched.schedule()
-            if plan is None:
-                self._redis_round(block_ms=500)
-                self._apply_inbox()
-                continue
-            self._note_scheduled(plan)
-            for sock in self.plan_socks:
-                sock.send(encode(plan), copy=False)
-            self._redis_round(block_ms=0)
-            result = self._recv_result(plan.step_id)
-            self.pending_outputs.extend(self.sched.update(plan, result))
-            self._apply_inbox()
+            try:
+                self._iterate()
+            except ExecutorLost as exc:
+                self._recover(str(exc))
         self._redis_round(block_ms=0)
+
+    def _iterate(self) -> None:
+        if time.monotonic() > self._next_reclaim:
+            self._next_reclaim = time.monotonic() + 5.0
+            self._reclaim_pending()
+        plan = self.sched.schedule()
+        if plan is None:
+            self._redis_round(block_ms=500)
+            self._apply_inbox()
+            return
+        self._note_scheduled(plan)
+        data = encode(plan)
+        for sock in self.plan_socks:
+            sock.send(data, copy=False)
+        self._redis_round(block_ms=0)
+        result = self._recv_result(plan.step_id)
+        self.pending_outputs.extend(self.sched.update(plan, result))
+        self._apply_inbox()
 
     def stop(self) -> None:
         self._stop = True
+
+    # ------------------------------------------------------------ failures
+    def _recover(self, reason: str) -> None:
+        """The executor died: end what it was running with an error, keep the rest queued.
+
+        Requests that already streamed tokens cannot be resumed invisibly (their KV cache
+        died with the executor), so they end with finish_reason "error". Requests that had
+        not produced a token are re-admitted into a fresh core once an executor is back.
+        """
+        log.error("executor lost (%s): failing started requests, waiting for it to return", reason)
+        self.degraded = f"executor lost: {reason}"
+        self._beat(force=True)                                       # /health: degraded
+        requeue = []
+        for rid, req in list(self.admitted.items()):
+            t = self.timing.get(rid)
+            if t is not None and t.first_token:
+                n = max(1, req.sampling.n)
+                self.pending_outputs.append(RequestOutput(
+                    rid, [SeqDelta(i, [], finish_reason="error") for i in range(n)], finished=True,
+                    error=f"the executor failed while running this request ({reason}); retry it",
+                    error_code=503))
+            else:
+                requeue.append(req)
+        self.admitted.clear()
+        self._flush_outputs()
+        while not self._stop:
+            try:
+                self.connect()
+                break
+            except Exception as exc:  # timeouts and gRPC errors while it restarts
+                log.warning("executor not back yet: %s", exc)
+                self._beat()
+                time.sleep(0.5)
+        self.inbox = requeue + self.inbox
+        self._apply_inbox()
+        self.degraded = None
+        self._beat(force=True)
+        log.info("executor is back; %d queued requests re-admitted", len(requeue))
+
+    def _flush_outputs(self) -> None:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        if not outputs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for out in outputs:
+            self._publish(pipe, out, time.time())
+        if self.to_ack:
+            pipe.xack(self.keys.requests, CONSUMER_GROUP, *self.to_ack)
+            self.to_ack = []
+        pipe.execute()
+
+    def _reclaim_pending(self, include_self: bool = False) -> None:
+        """Take over requests read by this name before a restart, or by a dead scheduler.
+
+        A request that had already streamed output ends with an explicit error (its KV
+        state is gone); one that never started is simply run here.
+        """
+        now = time.time()
+        beats = {k.decode(): float(v) for k, v in self.redis.hgetall(self.keys.schedulers).items()}
+        dead = [name for name, t in beats.items() if name != self.config.name and now - t > 10]
+        try:
+            consumers = [c["name"] for c in self.redis.xinfo_consumers(self.keys.requests,
+                                                                       CONSUMER_GROUP)]
+        except redis.ResponseError:
+            consumers = []
+        consumers = [c.decode() if isinstance(c, bytes) else c for c in consumers]
+        dead += [c for c in consumers if c not in beats and c != self.config.name]
+        for name in ([self.config.name] if include_self else []) + dead:
+            pending = self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, "-", "+",
+                                                10_000, consumername=name)
+            ids = [p["message_id"] for p in pending]
+            if name != self.config.name:
+                if ids:
+                    self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.config.name, 0, ids)
+                self.redis.xgroup_delconsumer(self.keys.requests, CONSUMER_GROUP, name)
+                self.redis.hdel(self.keys.schedulers, name)
+            if not ids:
+                continue
+            entries = self.redis.xrange(self.keys.requests, ids[0], ids[-1])
+            wanted = {i if isinstance(i, bytes) else i.encode() for i in ids}
+            taken = [(eid, f) for eid, f in entries
+                     if (eid if isinstance(eid, bytes) else eid.encode()) in wanted]
+            started = self._take_requests([(self.keys.requests, taken)], check_started=True)
+            log.warning("reclaimed %d pending requests of %s (%d had started and were failed)",
+                        len(taken), name, started)
+        self._flush_outputs()
 
     def _recv_result(self, step_id: int) -> StepResult:
         deadline_check = time.monotonic() + self.config.executor_timeout_s
@@ -171,14 +279,7 @@ class SchedulerService:
         pipe = self.redis.pipeline(transaction=False)
         now = time.time()
         for out in outputs:
-            self._observe(out, now)
-            key = self.keys.output(out.request_id)
-            pipe.xadd(key, {MSG_FIELD: encode(out)})
-            pipe.expire(key, OUTPUT_TTL_S)
-            if out.finished:
-                t = self.timing.pop(out.request_id, None)
-                if t is not None:
-                    self.to_ack.append(t.entry_id)
+            self._publish(pipe, out, now)
         if self.to_ack:
             pipe.xack(self.keys.requests, CONSUMER_GROUP, *self.to_ack)
             self.to_ack = []
@@ -195,6 +296,17 @@ class SchedulerService:
                                           count=self.config.read_batch, block=block_ms)
             self._take_requests(reply)
 
+    def _publish(self, pipe, out: RequestOutput, now: float) -> None:
+        self._observe(out, now)
+        key = self.keys.output(out.request_id)
+        pipe.xadd(key, {MSG_FIELD: encode(out)})
+        pipe.expire(key, OUTPUT_TTL_S)
+        if out.finished:
+            self.admitted.pop(out.request_id, None)
+            t = self.timing.pop(out.request_id, None)
+            if t is not None:
+                self.to_ack.append(t.entry_id)
+
     def _beat(self, pipe=None, force: bool = False) -> None:
         """Heartbeat (1 s) and metrics snapshot (0.2 s, or at once when a request ended)."""
         now = time.time()
@@ -202,6 +314,10 @@ class SchedulerService:
         if force or now - self._last_beat >= 1.0:
             self._last_beat = now
             target.hset(self.keys.schedulers, self.config.name, f"{now:.3f}")
+            if self.degraded:
+                target.hset(self.keys.degraded, self.config.name, self.degraded)
+            else:
+                target.hdel(self.keys.degraded, self.config.name)
         if self.metrics is not None and (force or now - self._last_metrics >= 0.2):
             self._last_metrics = now
             target.set(self.keys.metrics(self.config.name), self.metrics.exposition(), ex=15)
@@ -215,11 +331,13 @@ class SchedulerService:
                 except (WireError, KeyError):
                     log.warning("ignoring malformed abort %s", self.abort_cursor)
 
-    def _take_requests(self, reply) -> bool:
-        got = False
+    def _take_requests(self, reply, check_started: bool = False) -> int:
+        """Queue newly read request entries; returns how many (or, when reclaiming, how many
+        had already started elsewhere and were failed)."""
+        got = failed = 0
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                got = True
+                got += 1
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 try:
                     req = decode(fields[MSG_FIELD], GenerationRequest)
@@ -229,8 +347,22 @@ class SchedulerService:
                     continue
                 self.timing[req.request_id] = _Timing(arrival=req.arrival_time or time.time(),
                                                       entry_id=eid)
+                if check_started and self._has_output(req.request_id):
+                    failed += 1
+                    n = max(1, req.sampling.n)
+                    self.pending_outputs.append(RequestOutput(
+                        req.request_id, [SeqDelta(i, [], finish_reason="error") for i in range(n)],
+                        finished=True, error="the scheduler running this request stopped; retry it",
+                        error_code=503))
+                    continue
                 self.inbox.append(req)
-        return got
+        return failed if check_started else got
+
+    def _has_output(self, request_id: str) -> bool:
+        """Did any scheduler publish output for this request? (The gateway's header entry
+        in the same stream does not count.)"""
+        entries = self.redis.xrange(self.keys.output(request_id), count=4)
+        return any(MSG_FIELD in fields for _eid, fields in entries)
 
     def _apply_inbox(self) -> None:
         now = time.time()
@@ -249,6 +381,7 @@ class SchedulerService:
                 continue
             try:
                 self.sched.add_request(req)
+                self.admitted[req.request_id] = req
             except AdmissionError as exc:
                 self.pending_outputs.append(RequestOutput(
                     req.request_id, [], finished=True, error=str(exc), error_code=400))

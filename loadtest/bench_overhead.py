@@ -1,0 +1,149 @@
+"""What the microservice stack costs over the in-process engine, measured in one run.
+
+The same workload (same prompt token ids, greedy, fixed output length) runs twice:
+
+  in-process  services.engine.OfflineEngine: the Scheduler driving a ModelRunner directly
+  stack       gateway → Redis → scheduler → ZeroMQ → executor, as `pagedserve serve` starts
+              it, driven by concurrent HTTP/SSE streaming clients
+
+and the figures are compared side by side: throughput ratio, and the added per-token and
+time-to-first-token latency (p50 over requests).
+
+    python loadtest/bench_overhead.py [--requests 48] [--output-tokens 64] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from services.engine import OfflineEngine  # noqa: E402
+from services.executor.config import ExecutorConfig  # noqa: E402
+from services.launcher import Stack, _free_port, build_parser  # noqa: E402
+from services.scheduler.config import SchedulerConfig  # noqa: E402
+from shared.messages import SamplingParams  # noqa: E402
+
+
+def workload(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    # plain token ids from the ordinary range of the vocabulary (skip special tokens)
+    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))]
+            for _ in range(n)]
+
+
+def run_inprocess(prompts, out_tokens, args) -> dict:
+    engine = OfflineEngine(ExecutorConfig(device="cpu", dtype=args.dtype, kv_cache_gib=args.kv_gib),
+                           SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_batched_tokens))
+    # warm-up (first forward pays one-off allocation costs)
+    engine.generate([engine.request(prompts[0], SamplingParams(temperature=0, max_tokens=4))])
+    reqs = [engine.request(p, SamplingParams(temperature=0, max_tokens=out_tokens),
+                           ignore_eos=True) for p in prompts]
+    t0 = time.perf_counter()
+    done = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    ttft = [c.first_token_s for c in done.values()]
+    tpot = [(c.done_s - c.first_token_s) / (out_tokens - 1) for c in done.values()]
+    tokens = sum(len(c.token_ids[0]) for c in done.values())
+    return {"wall_s": wall, "tok_s": tokens / wall, "ttft": ttft, "tpot": tpot, "tokens": tokens}
+
+
+async def _one(client, prompt, out_tokens, t0):
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": out_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    first = last = None
+    count = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if any(c.get("text") for c in ev.get("choices", [])):
+                now = time.perf_counter() - t0
+                first = first if first is not None else now
+                last = now
+                count += 1
+    return first, last, count
+
+
+def run_stack(prompts, out_tokens, args) -> dict:
+    port = _free_port()
+    sargs = build_parser().parse_args([
+        "serve", "--port", str(port), "--grpc-port", str(_free_port()),
+        "--zmq-port", str(_free_port()), "--device", "cpu", "--dtype", args.dtype,
+        "--kv-cache-gib", str(args.kv_gib), "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning",
+        "--max-queue", "100000"])
+    stack = Stack(sargs)
+    try:
+        url = stack.start()
+
+        async def go():
+            async with httpx.AsyncClient(base_url=url, timeout=600,
+                                         limits=httpx.Limits(max_connections=1000)) as c:
+                await _one(c, prompts[0], 4, time.perf_counter())    # warm-up
+                t0 = time.perf_counter()
+                res = await asyncio.gather(*[_one(c, p, out_tokens, t0) for p in prompts])
+                return res, time.perf_counter() - t0
+
+        res, wall = asyncio.run(go())
+    finally:
+        stack.stop()
+    # A streamed chunk can carry several tokens; per-token time is measured per request
+    # from the first to the last token it received.
+    ttft = [f for f, _, _ in res]
+    tpot = [(l - f) / (out_tokens - 1) for f, l, _ in res]
+    tokens = len(prompts) * out_tokens
+    return {"wall_s": wall, "tok_s": tokens / wall, "ttft": ttft, "tpot": tpot, "tokens": tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    prompts = workload(args.requests, args.seed)
+    inproc = run_inprocess(prompts, args.output_tokens, args)
+    stack = run_stack(prompts, args.output_tokens, args)
+    p50 = statistics.median
+    out = {
+        "stack_over_inprocess": stack["tok_s"] / inproc["tok_s"],
+        "added_ms_per_token_p50": 1000 * (p50(stack["tpot"]) - p50(inproc["tpot"])),
+        "added_ttft_ms_p50": 1000 * (p50(stack["ttft"]) - p50(inproc["ttft"])),
+        "inprocess_tok_s": inproc["tok_s"], "stack_tok_s": stack["tok_s"],
+        "inprocess_tpot_ms_p50": 1000 * p50(inproc["tpot"]),
+        "stack_tpot_ms_p50": 1000 * p50(stack["tpot"]),
+        "inprocess_ttft_ms_p50": 1000 * p50(inproc["ttft"]),
+        "stack_ttft_ms_p50": 1000 * p50(stack["ttft"]),
+        "requests": args.requests, "output_tokens": args.output_tokens, "dtype": args.dtype,
+    }
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{'':24}{'in-process':>12}{'stack':>12}")
+    print(f"{'output tok/s':24}{inproc['tok_s']:12.1f}{stack['tok_s']:12.1f}")
+    print(f"{'TPOT p50 (ms)':24}{out['inprocess_tpot_ms_p50']:12.2f}{out['stack_tpot_ms_p50']:12.2f}")
+    print(f"{'TTFT p50 (ms)':24}{out['inprocess_ttft_ms_p50']:12.1f}{out['stack_ttft_ms_p50']:12.1f}")
+    print(f"stack / in-process throughput: {out['stack_over_inprocess']:.3f}")
+    print(f"added per token (p50): {out['added_ms_per_token_p50']:.2f} ms; "
+          f"added TTFT (p50): {out['added_ttft_ms_p50']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
