@@ -3,7 +3,11 @@
     {prefix}:requests          stream, consumer group `schedulers`; field b"m" = GenerationRequest
     {prefix}:aborts            stream (capped); field b"m" = AbortRequest; every scheduler reads all
     {prefix}:out:{request_id}  stream, one per request; field b"m" = RequestOutput; TTL'd
+                               (its first entry, field b"h", is the gateway's response header:
+                               JSON the gateway needs to replay the stream on resumption)
     {prefix}:schedulers        hash: scheduler name -> last heartbeat (unix seconds)
+    {prefix}:metrics:{name}    string: that scheduler's Prometheus exposition text (short TTL)
+    {prefix}:degraded          hash: scheduler name -> why it cannot serve now (absent: fine)
 
 A client resumes a stream with Last-Event-ID = the Redis entry id of the last event it saw.
 """
@@ -33,5 +37,17 @@ class RedisKeys:
     def schedulers(self) -> str:
         return f"{self.prefix}:schedulers"
 
+    @property
+    def degraded(self) -> str:
+        return f"{self.prefix}:degraded"
+
     def output(self, request_id: str) -> str:
         return f"{self.prefix}:out:{request_id}"
+
+    def metrics(self, scheduler_name: str) -> str:
+        return f"{self.prefix}:metrics:{scheduler_name}"
+
+    @property
+    def metrics_pattern(self) -> str:
+        """SCAN MATCH pattern over every scheduler's `metrics(name)` key."""
+        return f"{self.prefix}:metrics:*"

@@ -137,7 +137,19 @@ class SchedulerService:
                 self._iterate()
             except ExecutorLost as exc:
                 self._recover(str(exc))
-        self._redis_round(block_ms=0)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("request group vanished (Redis restarted?); recreating it")
+                self._ensure_group()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Keep running what we have; outputs wait in memory until Redis is back.
+                log.warning("Redis unreachable (%s); retrying", exc)
+                time.sleep(0.5)
+        try:
+            self._redis_round(block_ms=0)
+        except redis.RedisError:
+            pass
 
     def _iterate(self) -> None:
         if time.monotonic() > self._next_reclaim:
@@ -199,16 +211,8 @@ class SchedulerService:
         log.info("executor is back; %d queued requests re-admitted", len(requeue))
 
     def _flush_outputs(self) -> None:
-        outputs, self.pending_outputs = self.pending_outputs, []
-        if not outputs:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for out in outputs:
-            self._publish(pipe, out, time.time())
-        if self.to_ack:
-            pipe.xack(self.keys.requests, CONSUMER_GROUP, *self.to_ack)
-            self.to_ack = []
-        pipe.execute()
+        if self.pending_outputs or self.to_ack:
+            self._redis_round(block_ms=0, read=False)
 
     def _reclaim_pending(self, include_self: bool = False) -> None:
         """Take over requests read by this name before a restart, or by a dead scheduler.
@@ -273,21 +277,45 @@ class SchedulerService:
                 self.metrics.queue.observe(max(0.0, now - t.arrival))
 
     # ------------------------------------------------------------ Redis
-    def _redis_round(self, block_ms: int) -> None:
-        """Publish, acknowledge, heartbeat and read new work: one round trip when busy."""
-        outputs, self.pending_outputs = self.pending_outputs, []
+    def _redis_round(self, block_ms: int, read: bool = True) -> None:
+        """Publish, acknowledge, heartbeat and read new work: one round trip when busy.
+
+        If Redis is unreachable, nothing is lost: outputs and acks stay queued in memory
+        and go out in the first round that succeeds.
+        """
+        outputs = self.pending_outputs
+        acks = list(self.to_ack)
         pipe = self.redis.pipeline(transaction=False)
+        for out in outputs:
+            key = self.keys.output(out.request_id)
+            pipe.xadd(key, {MSG_FIELD: encode(out)})
+            pipe.expire(key, OUTPUT_TTL_S)
+            t = self.timing.get(out.request_id)
+            if out.finished and t is not None:
+                acks.append(t.entry_id)
+        if acks:
+            pipe.xack(self.keys.requests, CONSUMER_GROUP, *acks)
+        self._beat(pipe=pipe, force=any(o.finished for o in outputs))
+        if read:
+            pipe.xread({self.keys.aborts: self.abort_cursor}, count=1000)
+            pipe.xreadgroup(CONSUMER_GROUP, self.config.name, {self.keys.requests: ">"},
+                            count=self.config.read_batch)
+        try:
+            replies = pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("Redis unreachable (%s); %d outputs held", exc, len(outputs))
+            time.sleep(max(block_ms, 100) / 1000)
+            return
+        del self.pending_outputs[:len(outputs)]
+        self.to_ack = []
         now = time.time()
         for out in outputs:
-            self._publish(pipe, out, now)
-        if self.to_ack:
-            pipe.xack(self.keys.requests, CONSUMER_GROUP, *self.to_ack)
-            self.to_ack = []
-        self._beat(pipe=pipe, force=any(o.finished for o in outputs))
-        pipe.xread({self.keys.aborts: self.abort_cursor}, count=1000)
-        pipe.xreadgroup(CONSUMER_GROUP, self.config.name, {self.keys.requests: ">"},
-                        count=self.config.read_batch)
-        replies = pipe.execute()
+            self._observe(out, now)
+            if out.finished:
+                self.admitted.pop(out.request_id, None)
+                self.timing.pop(out.request_id, None)
+        if not read:
+            return
         self._take_aborts(replies[-2])
         got = self._take_requests(replies[-1])
         if not got and block_ms and not self.sched.has_unfinished():
@@ -295,17 +323,6 @@ class SchedulerService:
                                           {self.keys.requests: ">"},
                                           count=self.config.read_batch, block=block_ms)
             self._take_requests(reply)
-
-    def _publish(self, pipe, out: RequestOutput, now: float) -> None:
-        self._observe(out, now)
-        key = self.keys.output(out.request_id)
-        pipe.xadd(key, {MSG_FIELD: encode(out)})
-        pipe.expire(key, OUTPUT_TTL_S)
-        if out.finished:
-            self.admitted.pop(out.request_id, None)
-            t = self.timing.pop(out.request_id, None)
-            if t is not None:
-                self.to_ack.append(t.entry_id)
 
     def _beat(self, pipe=None, force: bool = False) -> None:
         """Heartbeat (1 s) and metrics snapshot (0.2 s, or at once when a request ended)."""
