@@ -67,6 +67,8 @@ _EXECUTOR = [
     ("--gpu-memory-utilization", "PAGEDSERVE_GPU_MEMORY_UTILIZATION", 0.9, float,
      "fraction of free GPU memory for the KV pool"),
     ("--swap-space-gib", "PAGEDSERVE_SWAP_SPACE_GIB", 1.0, float, "CPU swap pool (GiB)"),
+    ("--num-gpu-blocks", "PAGEDSERVE_NUM_GPU_BLOCKS", None, int,
+     "fix the KV pool size in blocks (overrides the memory-based sizing)"),
     ("--seed", "PAGEDSERVE_SEED", 0, int, "default sampling seed"),
 ]
 _SERVE = [
@@ -242,14 +244,14 @@ class Stack:
             self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
         env = dict(os.environ, REDIS_URL=a.redis_url)
         common = [sys.executable, "-m", "services.launcher"]
-        flags = _flags_for(a)
         grpc_addr = f"127.0.0.1:{a.grpc_port}"
+        a.executor = grpc_addr
+        flags = _flags_for(a)
         ex = self._spawn("executor", common + ["executor"] + flags["executor"], env)
         from shared.control import ExecutorClient
         client = ExecutorClient(grpc_addr)
         self._wait("executor", ex, lambda: client.is_alive(1.0), a.startup_timeout)
-        sc = self._spawn("scheduler", common + ["scheduler", "--executor", grpc_addr]
-                         + flags["scheduler"], env)
+        sc = self._spawn("scheduler", common + ["scheduler"] + flags["scheduler"], env)
         check = argparse.Namespace(**vars(a), service="scheduler")
         self._wait("scheduler", sc, lambda: _healthcheck(check) == 0, a.startup_timeout)
         gw = self._spawn("gateway", common + ["gateway"] + flags["gateway"], env)

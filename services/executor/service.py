@@ -93,11 +93,15 @@ class ExecutorServer:
             tensor_parallel_size=c.tensor_parallel_size, instance_id=self.instance_id)
 
     def live_seqs(self) -> int:
-        return int(getattr(self.runner, "num_live_seqs", 0))
+        return len(self.runner.seqs)
 
     def reset(self) -> int:
+        """Drop every sequence's state (block tables included); the pool contents are
+        simply overwritten later, so nothing needs clearing."""
         with self._lock:
-            return int(self.runner.reset())
+            dropped = len(self.runner.seqs)
+            self.runner.seqs.clear()
+            return dropped
 
     def stop(self) -> None:
         self._stop.set()
