@@ -283,7 +283,7 @@ class SchedulerService:
         If Redis is unreachable, nothing is lost: outputs and acks stay queued in memory
         and go out in the first round that succeeds.
         """
-        outputs = self.pending_outputs
+        outputs = list(self.pending_outputs)
         acks = list(self.to_ack)
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
