@@ -15,21 +15,24 @@ from shared.redis_keys import RedisKeys
 from tests.conftest import REPO, free_port, stop_process
 
 
+def _free_pair() -> int:
+    """A free port whose successor is free too (results on p, plans on p + 1)."""
+    import socket
+    while True:
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+
+
 class Cluster:
     def __init__(self, redis_url: str, *, sched_flags=(), exec_flags=(), gateway_flags=()):
         self.redis_url = redis_url
         self.http = free_port()
-        self.grpc = free_port()
-        self.zmq = free_port()
-        while True:      # plans go to zmq+1 (rank 0)
-            self.zmq = free_port()
-            try:
-                import socket
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", self.zmq + 1))
-                break
-            except OSError:
-                continue
+        self.executors: dict[str, tuple[int, int]] = {}   # name -> (grpc port, zmq port)
         self.prefix = f"c{self.http}"
         self.keys = RedisKeys(self.prefix)
         self.sched_flags, self.exec_flags, self.gateway_flags = sched_flags, exec_flags, gateway_flags
@@ -45,17 +48,22 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_executor(self, timeout: float = 300) -> None:
-        self._spawn("executor", ["executor", "--grpc-port", str(self.grpc), "--zmq-port",
-                                 str(self.zmq), "--device", "cpu", "--dtype", "float32",
-                                 "--kv-cache-gib", "0.25", "--swap-space-gib", "0.25",
-                                 *self.exec_flags])
-        client = ExecutorClient(f"127.0.0.1:{self.grpc}")
-        self._wait("executor", lambda: client.is_alive(1.0), timeout)
+    def start_executor(self, name: str = "executor", timeout: float = 300) -> None:
+        """Start (or restart on the same ports) one executor."""
+        if name not in self.executors:
+            self.executors[name] = (free_port(), _free_pair())
+        grpc_port, zmq_port = self.executors[name]
+        self._spawn(name, ["executor", "--grpc-port", str(grpc_port), "--zmq-port",
+                           str(zmq_port), "--device", "cpu", "--dtype", "float32",
+                           "--kv-cache-gib", "0.25", "--swap-space-gib", "0.25",
+                           *self.exec_flags])
+        client = ExecutorClient(f"127.0.0.1:{grpc_port}")
+        self._wait(name, lambda: client.is_alive(1.0), timeout)
 
-    def start_scheduler(self, name: str = "sched-a", timeout: float = 60) -> None:
+    def start_scheduler(self, name: str = "sched-a", executor: str = "executor",
+                        timeout: float = 60) -> None:
         before = time.time()
-        self._spawn(name, ["scheduler", "--executor", f"127.0.0.1:{self.grpc}",
+        self._spawn(name, ["scheduler", "--executor", f"127.0.0.1:{self.executors[executor][0]}",
                            "--scheduler-name", name, *self.sched_flags])
         r = redis.Redis.from_url(self.redis_url)
 

@@ -18,7 +18,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @dataclass
 class Outcome:
-    tokens: int = 0
+    tokens: int = 0              # chunks that carried text (a chunk may hold several tokens)
+    usage_tokens: int = 0        # completion tokens, from the final usage chunk
     finish: str | None = None
     error: str | None = None
     status: int = 0
@@ -29,7 +30,7 @@ class Outcome:
 
 def stream(base_url: str, prompt: str, max_tokens: int, out: Outcome) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
         with httpx.Client(base_url=base_url, timeout=120) as c:
             with c.stream("POST", "/v1/completions", json=body) as r:
@@ -44,6 +45,8 @@ def stream(base_url: str, prompt: str, max_tokens: int, out: Outcome) -> None:
                     if "error" in ev:
                         out.error = ev["error"]["message"]
                         continue
+                    if ev.get("usage"):
+                        out.usage_tokens = ev["usage"]["completion_tokens"]
                     for ch in ev.get("choices", []):
                         if ch.get("text"):
                             out.tokens += 1
@@ -111,7 +114,7 @@ def test_scheduler_kill_9_loses_no_queued_request(cluster):
     completed = [o for o in outs if o.error is None]
     failed = [o for o in outs if o.error is not None]
     for o in completed:
-        assert o.finish == "length" and o.tokens == 48
+        assert o.finish == "length" and o.usage_tokens == 48
     for o in failed:
         assert "retry" in o.error      # explicit, actionable
     # requests that had not started when the scheduler died were run by its successor
@@ -139,7 +142,7 @@ def test_executor_kill_9_is_detected_and_recovered(cluster):
     assert cluster.get("/health")[0] == 200
     again = Outcome()
     stream(cluster.base_url, "Hello after recovery", 8, again)
-    assert again.error is None and again.tokens == 8
+    assert again.error is None and again.usage_tokens == 8
     assert settle_blocks(cluster) == 0
 
 
@@ -158,6 +161,6 @@ def test_redis_down_gives_503_then_recovers(private_redis, cluster):
         assert cluster.get("/health")[0] == 200
         out = Outcome()
         stream(cluster.base_url, "Back again", 6, out)
-        assert out.error is None and out.tokens == 6
+        assert out.error is None and out.usage_tokens == 6
     finally:
         stop_process(restarted.proc)

@@ -49,7 +49,11 @@ class SchedulerServiceConfig:
     metrics_port: int = 0                 # 0: no HTTP endpoint (the gateway serves /metrics)
     executor_timeout_s: float = 2.0       # a silent executor is declared dead after this
     startup_timeout_s: float = 600.0      # first model load (and GGUF conversion) can be slow
-    read_batch: int = 64                  # requests taken from the queue per round trip
+    read_batch: int = 64                  # most requests taken from the queue per round trip
+    # Requests are taken from the shared queue only while this replica holds fewer than
+    # max_num_seqs + read_headroom unfinished ones: the rest wait in Redis, where any
+    # replica (or this one's successor) can take them.
+    read_headroom: int = 4
 
 
 class ExecutorLost(RuntimeError):
@@ -296,10 +300,12 @@ class SchedulerService:
         if acks:
             pipe.xack(self.keys.requests, CONSUMER_GROUP, *acks)
         self._beat(pipe=pipe, force=any(o.finished for o in outputs))
+        want = self._read_count()
         if read:
             pipe.xread({self.keys.aborts: self.abort_cursor}, count=1000)
-            pipe.xreadgroup(CONSUMER_GROUP, self.config.name, {self.keys.requests: ">"},
-                            count=self.config.read_batch)
+            if want:
+                pipe.xreadgroup(CONSUMER_GROUP, self.config.name, {self.keys.requests: ">"},
+                                count=want)
         try:
             replies = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -316,13 +322,20 @@ class SchedulerService:
                 self.timing.pop(out.request_id, None)
         if not read:
             return
+        if not want:
+            self._take_aborts(replies[-1])
+            return
         self._take_aborts(replies[-2])
         got = self._take_requests(replies[-1])
         if not got and block_ms and not self.sched.has_unfinished():
             reply = self.redis.xreadgroup(CONSUMER_GROUP, self.config.name,
-                                          {self.keys.requests: ">"},
-                                          count=self.config.read_batch, block=block_ms)
+                                          {self.keys.requests: ">"}, count=want, block=block_ms)
             self._take_requests(reply)
+
+    def _read_count(self) -> int:
+        held = len(self.admitted) + len(self.inbox)
+        room = self.config.core.max_num_seqs + self.config.read_headroom - held
+        return max(0, min(self.config.read_batch, room))
 
     def _beat(self, pipe=None, force: bool = False) -> None:
         """Heartbeat (1 s) and metrics snapshot (0.2 s, or at once when a request ended)."""
