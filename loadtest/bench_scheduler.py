@@ -1,0 +1,107 @@
+"""Scheduler overhead per step: median wall time of one schedule() + update() cycle.
+
+N requests (ShareGPT-like prompts, outputs long enough not to finish) are prefilled, then
+the benchmark times decode steps with all N sequences running. Building the StepResult (the
+executor's job) is outside the timed region; everything the scheduler does per step is in it:
+choosing the batch, block growth, the plan's diffs, applying sampled tokens, the outputs.
+
+    python loadtest/bench_scheduler.py [--sizes 64,256,1024] [--steps 300] [--repeats 3] [--json]
+
+Each size is measured --repeats times in fresh schedulers; the best of the per-run medians is
+reported, so that other processes on a shared machine inflate the figure as little as possible.
+Python's garbage collector runs as it would in the service (default thresholds); --gc-freeze
+moves the set-up objects out of its reach first, as a service can do after start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtest.workloads import SHAREGPT, sample_lengths  # noqa: E402
+from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.scheduler import Scheduler  # noqa: E402
+from shared.messages import (GenerationRequest, SamplingParams, SeqSample,  # noqa: E402
+                             StepResult)
+
+
+def fake_result(plan, token: int = 7) -> StepResult:
+    """What an executor returns: one sample per seq that reached the end of its tokens."""
+    return StepResult(plan.step_id, [SeqSample(s.seq_id, token, -0.5) for s in plan.scheduled])
+
+
+def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
+          gc_freeze: bool = False) -> dict:
+    cfg = SchedulerConfig(block_size=block_size, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=max(2048, num_seqs), max_model_len=4096)
+    lengths = sample_lengths(SHAREGPT, num_seqs, seed, max_len=1024)
+    # Room for every seq to grow through the prefill phase and the timed steps: no preemption.
+    num_blocks = 2 * sum(-(-(p + steps + 64) // block_size) for p, _ in lengths)
+    sched = Scheduler(cfg, num_blocks, 0)
+    for i, (p, _) in enumerate(lengths):
+        prompt = [100 + (i * 31 + j) % 40000 for j in range(p)]
+        sched.add_request(GenerationRequest(f"b{i}", prompt,
+                                            SamplingParams(max_tokens=4096 - p - 1),
+                                            arrival_time=float(i)))
+    # Prefill until every sequence decodes.
+    while True:
+        plan = sched.schedule()
+        assert sched.stats().num_preemptions == 0
+        if all(s.num_tokens == 1 for s in plan.scheduled) and len(plan.scheduled) == num_seqs:
+            result = fake_result(plan)
+            sched.update(plan, result)
+            break
+        sched.update(plan, StepResult(plan.step_id, [
+            SeqSample(s.seq_id, 7, -0.5) for s in plan.scheduled]))
+    gc.collect()
+    if gc_freeze:
+        gc.freeze()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        result = fake_result(plan)
+        t2 = time.perf_counter()
+        outs = sched.update(plan, result)
+        t3 = time.perf_counter()
+        assert len(plan.scheduled) == num_seqs and len(outs) == num_seqs
+        times.append((t1 - t0) + (t3 - t2))
+    if gc_freeze:
+        gc.unfreeze()
+    return {"median_ms": statistics.median(times) * 1e3,
+            "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
+            "per_seq_us": statistics.median(times) * 1e6 / num_seqs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gc-freeze", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    res = {}
+    for n in sizes:
+        runs = [bench(n, args.steps, args.block_size, seed=r, gc_freeze=args.gc_freeze)
+                for r in range(args.repeats)]
+        res[n] = min(runs, key=lambda r: r["median_ms"])
+    if args.json:
+        print(json.dumps({"step_ms": {str(n): round(r["median_ms"], 4) for n, r in res.items()}}))
+        return
+    print(f"{'running seqs':>12} {'median ms':>10} {'p90 ms':>8} {'us/seq':>7}")
+    for n, r in res.items():
+        print(f"{n:>12} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['per_seq_us']:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

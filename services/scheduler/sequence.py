@@ -1,0 +1,124 @@
+"""Sequences and sequence groups: a request's token streams and what the executors know of them.
+
+A request (`SequenceGroup`) owns 1..n sequences: one for plain sampling, n for parallel
+sampling, up to beam_width live beams for beam search. Each `Sequence` holds its tokens
+(prompt + outputs), its block table (GPU block ids while running, CPU block ids while swapped)
+and a mirror of the executors' copy of it, so that plans can carry diffs:
+
+    token_ids      [p0 p1 ... p_{L-1} o0 o1 ... o_k]      prompt_len = L
+    computed       |<-- num_computed_tokens -->|          KV in the cache
+    sent           |<-- num_tokens_sent --------------->| what the executors hold (-1: unknown)
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+from shared.messages import GenerationRequest, SamplingParams, TokenLogprob
+
+
+class SequenceStatus(IntEnum):
+    WAITING = 0      # not admitted yet, or preempted by recompute
+    RUNNING = 1
+    SWAPPED = 2      # blocks live in the CPU pool
+    FINISHED = 3
+
+
+class Sequence:
+    __slots__ = ("seq_id", "group", "token_ids", "prompt_len", "sample_index", "status",
+                 "block_table", "num_computed_tokens", "num_scheduled_tokens",
+                 "block_hashes", "num_cached_blocks", "cache_chain_broken",
+                 "cumulative_logprob", "logprobs",
+                 "finish_reason", "stop_token_id",
+                 "num_tokens_sent", "num_blocks_sent", "num_blocks_synced")
+
+    def __init__(self, seq_id: int, group: SequenceGroup | None, token_ids: list[int],
+                 prompt_len: int, sample_index: int = 0) -> None:
+        self.seq_id = seq_id
+        self.group = group
+        self.token_ids = token_ids
+        self.prompt_len = prompt_len
+        self.sample_index = sample_index
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0      # this step's chunk (0 when not scheduled)
+        # Prefix cache: chained hash of each full block of token_ids (extended lazily), and how
+        # many leading blocks of the table are known to be registered in the cache.
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.cache_chain_broken = False     # a block could not be registered: stop trying
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[TokenLogprob] | None = None
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        # Mirror of the executors' state (diffs are taken against it):
+        self.num_tokens_sent = -1          # -1: the executors do not know this seq
+        self.num_blocks_sent = 0           # length of their block table
+        self.num_blocks_synced = 0         # leading entries of theirs equal to ours
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def forget_executor_state(self) -> None:
+        """The executors dropped this seq (recompute): it will be sent whole again."""
+        self.num_tokens_sent = -1
+        self.num_blocks_sent = 0
+        self.num_blocks_synced = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.name}, len={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens}, table={self.block_table})")
+
+
+class SequenceGroup:
+    """One request: its live sequences, its place in the queues and its output bookkeeping."""
+
+    __slots__ = ("request_id", "sampling", "arrival_time", "priority", "sort_key",
+                 "prompt_len",
+                 "seqs", "status", "forked", "max_num_seqs", "is_beam", "beam",
+                 "num_cached_tokens", "prompt_logprobs", "first_output_sent",
+                 "next_sample_index", "stop_ids", "min_len", "max_len")
+
+    def __init__(self, request: GenerationRequest, sort_key: tuple) -> None:
+        sp: SamplingParams = request.sampling
+        self.request_id = request.request_id
+        self.sampling = sp
+        self.arrival_time = request.arrival_time
+        self.priority = request.priority
+        self.sort_key = sort_key               # queue order: smaller runs first
+        self.prompt_len = len(request.prompt_token_ids)
+        self.seqs: list[Sequence] = []         # live sequences; seqs[0] leads the shared prefill
+        self.status = SequenceStatus.WAITING
+        # n > 1 (and recomputed beam groups): seqs[1:] join by fork once seqs[0] has computed
+        # the shared prefix, so the prompt's blocks are stored once.
+        self.forked = False
+        self.is_beam = sp.beam_width > 0
+        self.max_num_seqs = sp.beam_width if self.is_beam else max(1, sp.n)
+        self.beam = None                       # BeamSearch state when is_beam
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprob] | None = (
+            [] if sp.prompt_logprobs is not None else None)
+        self.first_output_sent = False
+        self.next_sample_index = 0
+        # Finish rules, precomputed for the per-token path (lengths count prompt + output):
+        self.stop_ids = frozenset(sp.stop_token_ids)
+        self.min_len = len(request.prompt_token_ids) + sp.min_tokens   # stop tokens count from here
+        self.max_len = len(request.prompt_token_ids) + sp.max_tokens   # "length" at this many
+
+    @property
+    def fork_point(self) -> int:
+        """Tokens every seq of the group shares and computes once: the prompt minus its last
+        token (each seq computes that one itself, so each gets its own logits to sample)."""
+        return self.prompt_len - 1
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked and len(self.seqs) > 1
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, {self.status.name}, seqs={len(self.seqs)})"
