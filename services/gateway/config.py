@@ -1,0 +1,70 @@
+"""The gateway's one config object, from CLI flags and environment variables.
+
+Every field has a flag (`--max-queue`) and an environment variable (`PAGEDSERVE_MAX_QUEUE`;
+the Redis URL is plain `REDIS_URL`); flags win over the environment, which wins over the
+defaults below. The defaults serve the bundled model on a laptop.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from shared.model_source import BUNDLED_NAME
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    model: str = BUNDLED_NAME              # bundled name, .gguf file or HF folder (model_source)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "pagedserve"
+    api_keys: list[str] = field(default_factory=list)  # Bearer keys for /v1/*; empty: open
+    log_level: str = "info"
+    # Admission
+    max_queue: int = 1024                  # unfinished requests (waiting + running) before 429
+    retry_after_s: int = 1                 # Retry-After sent with 429 and 503
+    queue_probe_s: float = 0.05            # queue depth probed at most this often (s)
+    redis_max_connections: int = 64        # pooled connections (a burst waits for one)
+    request_stream_maxlen: int = 100_000   # request stream trimmed (~) to this many entries
+    # Limits (each violation is a 4xx naming the parameter)
+    max_model_len: int = 2048              # tokens: prompt + max_tokens must fit
+    max_body_bytes: int = 1 << 20          # bytes of one request body (413 above)
+    max_n: int = 16                        # n, best_of and beam width
+    max_stop: int = 16                     # stop strings per request
+    max_stop_chars: int = 256              # characters per stop string
+    max_logprobs: int = 20                 # top-k logprobs per token
+    # Streaming
+    stream_start_wait_s: float = 1.0       # SSE headers wait this long: a refusal is then a 4xx
+    keepalive_s: float = 15.0              # SSE comment after this much silence (for proxies)
+    read_block_ms: int = 2000              # one XREAD BLOCK slice (also bounds shutdown latency)
+    abort_grace_s: float = 0.0             # after a disconnect, wait this long for a resume
+    heartbeat_fresh_s: float = 5.0         # /health: a scheduler beat younger than this is alive
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None, env: dict[str, str] | None = None
+                  ) -> "GatewayConfig":
+        """Parse flags over environment over defaults. Exits with a usage message on bad input."""
+        env = os.environ if env is None else env
+        parser = argparse.ArgumentParser(prog="pagedserve-gateway",
+                                         description="OpenAI-compatible HTTP gateway of pagedserve")
+        for f in dataclasses.fields(cls):
+            var = "REDIS_URL" if f.name == "redis_url" else f"PAGEDSERVE_{f.name.upper()}"
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = type(default)
+            raw = env.get(var)
+            if f.name == "api_keys":
+                kind = _keys
+            try:
+                value = kind(raw) if raw not in (None, "") else default
+            except ValueError:
+                parser.error(f"{var}={raw!r} is not a valid {kind.__name__}")
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
+                                default=value, help=f"[env {var}, default {default!r}]")
+        return cls(**vars(parser.parse_args(argv)))
+
+
+def _keys(raw: str) -> list[str]:
+    return [k.strip() for k in raw.split(",") if k.strip()]

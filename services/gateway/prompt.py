@@ -1,0 +1,101 @@
+"""Prompts: API input (text, token ids, chat messages) in, prompt token ids out.
+
+Chat messages are rendered by the model's own chat template (text parts only, joined by
+newlines; "developer" is sent as "system"), then tokenized without special tokens: the
+template writes them itself.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.validation import Fields, bad, kind, text
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, vocab) -> None:
+        self.tokenizer, self.vocab = tokenizer, vocab
+        # NOTE: the Rust tokenizer's encode only reads its state, so the event loop and the
+        # tokenizer thread may call it at once; transformers' wrapper may reconfigure it.
+        self._rust = getattr(tokenizer, "backend_tokenizer", None)
+
+    def token_ids(self, v: Any, param: str, allow_empty: bool = False,
+                  limit: int | None = None) -> list[int]:
+        """`v` itself when it is a list of this vocabulary's token ids; else 400 naming param."""
+        if not isinstance(v, list) or not all(type(t) is int for t in v):
+            raise bad(f"{param} must be an array of integer token ids", param)
+        if not v and not allow_empty:
+            raise bad(f"{param} must not be empty", param)
+        if limit is not None and len(v) > limit:
+            raise bad(f"{param} may hold at most {limit} ids, got {len(v)}", param)
+        for t in v:
+            if not 0 <= t < self.vocab.size:
+                raise bad(f"{param} holds {t}, which is not a token id of this model "
+                          f"(0 to {self.vocab.size - 1})", param)
+        return v
+
+    def completion(self, v: Any, add_special: bool) -> list[int]:
+        """Token ids of a /v1/completions `prompt` (text, token ids, or a list of one)."""
+        if v is None:
+            raise bad("prompt is required", "prompt")
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise bad(f"prompt holds {len(v)} prompts; this server takes one prompt per "
+                          "request: send one request for each", "prompt")
+            v = v[0]
+        if isinstance(v, str):
+            ids = self.encode(text(v, "prompt"), add_special)
+        elif isinstance(v, list):
+            ids = self.token_ids(v, "prompt")
+        else:
+            raise bad(f"prompt must be a string or an array of token ids, got {kind(v)}",
+                      "prompt")
+        if not ids:
+            raise bad("prompt is empty: send some text or token ids", "prompt")
+        return ids
+
+    def chat(self, v: Any, add_generation_prompt: bool, add_special: bool = False) -> list[int]:
+        """Token ids of `messages` rendered by the chat template; 400 on a bad message."""
+        if not isinstance(v, list) or not v:
+            raise bad("messages must be a non-empty array of {role, content} objects", "messages")
+        msgs = []
+        for i, m in enumerate(v):
+            where = f"messages[{i}]."
+            mf = Fields(m, frozenset({"role", "content", "name"}), where)
+            role = mf.str("role", None)
+            if role not in ROLES:
+                raise bad(f"{where}role must be one of {', '.join(ROLES)}, got {role!r}",
+                          where + "role")
+            mf.str("name", None)
+            msgs.append({"role": "system" if role == "developer" else role,
+                         "content": self._content(mf.raw("content"), where + "content")})
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:   # a template may raise anything (jinja2 errors, ValueError)
+            raise bad(f"the model's chat template rejected these messages: {exc}",
+                      "messages") from None
+        return self.encode(rendered, add_special)
+
+    @staticmethod
+    def _content(v: Any, param: str) -> str:
+        if v is None:            # (OpenAI allows it for assistant turns; harmless elsewhere)
+            return ""
+        if isinstance(v, str):
+            return text(v, param)
+        if not isinstance(v, list):
+            raise bad(f"{param} must be a string or an array of text parts, got {kind(v)}", param)
+        parts = []
+        for j, p in enumerate(v):
+            pf = Fields(p, frozenset({"type", "text"}), f"{param}[{j}].")
+            if pf.str("type", None) != "text":
+                raise bad(f"{param}[{j}].type must be 'text': this server reads text only",
+                          f"{param}[{j}].type")
+            parts.append(pf.str("text", None) or "")
+        return "\n".join(parts)
+
+    def encode(self, s: str, add_special: bool) -> list[int]:
+        if self._rust is not None:
+            return self._rust.encode(s, add_special_tokens=add_special).ids
+        return list(self.tokenizer.encode(s, add_special_tokens=add_special))
