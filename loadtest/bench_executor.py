@@ -1,0 +1,267 @@
+"""Executor benchmark on the CPU path: ModelRunner against transformers `generate`.
+
+    .venv/bin/python loadtest/bench_executor.py            # full run, a table
+    .venv/bin/python loadtest/bench_executor.py --json     # the figures as one JSON object
+    .venv/bin/python loadtest/bench_executor.py --quick    # fewer sizes, a smoke run
+
+Per dtype (fp32, bf16), with the bundled SmolLM2-135M-Instruct:
+  * decode throughput at batch 1, 8, 32, 64, 128: tokens/s while every seq decodes;
+  * end to end on a fixed workload: 64 requests, prompts of 32-256 tokens, exactly 128
+    output tokens each, through a simple continuous-batching loop over ModelRunner
+    (every step: decodes first, then prefill chunks up to the token budget);
+  * the same prompts through transformers `generate` at its best static batch size;
+and once, the machine's fp32 matmul rate (a big sgemm), which gives the roofline
+FLOP/s / (2 x params) tokens/s, counting every processed token (prompt and output).
+The CPUs may be shared with other work: compare ratios, and rerun when in doubt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.executor.config import ExecutorConfig  # noqa: E402
+from services.executor.model_runner import ModelRunner  # noqa: E402
+from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+# The clock of every measurement. `--clock cpu` (with --threads 1) counts only the CPU time
+# this process got: on a machine shared with other work it estimates the idle-machine
+# figures, which wall time cannot.
+now = time.perf_counter
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+class Loop:
+    """The smallest continuous-batching driver: a free list of blocks and a token budget."""
+
+    def __init__(self, runner: ModelRunner, budget: int) -> None:
+        self.r = runner
+        self.budget = budget
+        self.free = deque(range(runner.num_gpu_blocks))
+        self.step = 0
+
+    def run(self, prompts: list[list[int]], new_tokens: int, on_step=None) -> int:
+        """Generate `new_tokens` per prompt; returns the number of steps."""
+        bs = self.r.block_size
+        waiting = deque(range(len(prompts)))
+        tokens = {i: list(p) for i, p in enumerate(prompts)}
+        computed = {i: 0 for i in range(len(prompts))}
+        tables: dict[int, list[int]] = {}
+        pending: dict[int, list[int]] = {}
+        running: list[int] = []
+        finished: list[int] = []
+        steps = 0
+        while waiting or running:
+            plan = StepPlan(self.step, finished_seq_ids=finished)
+            finished = []
+            left = self.budget
+            for sid in running:        # decodes first
+                grow = self._grow(tables[sid], computed[sid] + 1, bs)
+                plan.scheduled.append(ScheduledSeq(sid, computed[sid], 1, pending.pop(sid, []),
+                                                   block_append=grow))
+                computed[sid] += 1
+                left -= 1
+            while waiting and left > 0:
+                sid = waiting[0]
+                n = min(len(tokens[sid]) - computed[sid], left)
+                need = -(-(computed[sid] + n) // bs) - len(tables.get(sid, []))
+                if need > len(self.free):
+                    break
+                left -= n
+                if sid not in tables:
+                    tables[sid] = []
+                    grow = self._grow(tables[sid], n, bs)
+                    plan.new_seqs.append(NewSeq(sid, str(sid), tokens[sid], len(tokens[sid]),
+                                                grow, GREEDY))
+                    plan.scheduled.append(ScheduledSeq(sid, 0, n))
+                else:
+                    grow = self._grow(tables[sid], computed[sid] + n, bs)
+                    plan.scheduled.append(ScheduledSeq(sid, computed[sid], n, block_append=grow))
+                computed[sid] += n
+                if computed[sid] == len(tokens[sid]):
+                    waiting.popleft()
+                    running.append(sid)
+            res = self.r.execute(plan)
+            if res.error:
+                raise RuntimeError(res.error)
+            self.step += 1
+            steps += 1
+            if on_step:
+                on_step(plan)
+            for s in res.samples:
+                if s.token_id < 0:
+                    continue
+                tokens[s.seq_id].append(s.token_id)
+                pending.setdefault(s.seq_id, []).append(s.token_id)
+                if len(tokens[s.seq_id]) - len(prompts[s.seq_id]) >= new_tokens:
+                    running.remove(s.seq_id)
+                    finished.append(s.seq_id)
+                    self.free.extend(tables.pop(s.seq_id))
+        self.r.execute(StepPlan(self.step, finished_seq_ids=finished))
+        self.step += 1
+        return steps
+
+    def _grow(self, table: list[int], num_tokens: int, bs: int) -> list[int]:
+        grow = [self.free.popleft() for _ in range(-(-num_tokens // bs) - len(table))]
+        table += grow
+        return grow
+
+
+def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
+    """Tokens/s of `steps` decode steps with `batch` seqs all decoding."""
+    prompts = workload(batch, prompt_len, prompt_len, runner.args.vocab_size, seed=batch)
+    loop = Loop(runner, budget=max(2048, prompt_len))
+    marks: list[float] = []
+
+    def on_step(plan: StepPlan) -> None:
+        if all(s.num_tokens == 1 for s in plan.scheduled) and len(plan.scheduled) == batch:
+            marks.append(now())
+
+    loop.run(prompts, new_tokens=steps + 2, on_step=on_step)
+    # marks[i] is the end of decode step i; time steps 1.. to skip the first one
+    return batch * (len(marks) - 1) / (marks[-1] - marks[0])
+
+
+def bench_engine(runner: ModelRunner, prompts: list[list[int]], new_tokens: int,
+                 budget: int) -> float:
+    """Seconds to run the whole workload through the continuous-batching loop."""
+    loop = Loop(runner, budget)
+    t0 = now()
+    loop.run(prompts, new_tokens)
+    return now() - t0
+
+
+def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int,
+             batch: int, pad: int) -> float:
+    """Seconds for transformers `generate` over the prompts in static batches (arrival order,
+    left padded), exactly `new_tokens` greedy tokens each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = pad
+    t0 = now()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 do_sample=False)
+        assert out.shape[1] == width + new_tokens
+    return now() - t0
+
+
+def sgemm_flops(n: int = 4096, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = now()
+        a @ b
+        best = min(best, now() - t0)
+    return 2 * n ** 3 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="smoke run: fewer sizes and requests")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=2048, help="tokens per step")
+    ap.add_argument("--hf-batches", default="16,32,64")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: process CPU time, meaningful with --threads 1 on a busy machine")
+    args = ap.parse_args()
+    global now
+    if args.clock == "cpu":
+        if args.threads != 1:
+            ap.error("--clock cpu needs --threads 1 (CPU time of several threads counts spinning)")
+        now = time.process_time
+    if args.quick:
+        args.batches, args.requests, args.output_len, args.hf_batches = "1,32", 16, 32, "16"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    dtypes = args.dtypes.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    res: dict = {"engine_tok_s": {}, "decode_tok_s": {}, "hf_best_tok_s": {}, "ratio_vs_hf": {},
+                 "hf_tok_s": {}, "processed_tok_s": {}, "threads": torch.get_num_threads(),
+                 "clock": args.clock}
+    res["loadavg_start"] = os.getloadavg()[0]   # other work on the CPUs skews every figure
+    flops = sgemm_flops()
+    res["sgemm_gflops"] = flops / 1e9
+    say(f"sgemm fp32: {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads")
+    for dt in dtypes:
+        runner = ModelRunner(ExecutorConfig(dtype=dt, device="cpu", kv_cache_gib=2.5,
+                                            swap_space_gib=0.0,
+                                            max_num_batched_tokens=args.budget))
+        prompts = workload(args.requests, 32, 256, runner.args.vocab_size)
+        n_prompt = sum(map(len, prompts))
+        n_out = args.requests * args.output_len
+        bench_engine(runner, prompts[:4], 4, args.budget)   # warm-up
+        res["decode_tok_s"][dt] = {}
+        for b in batches:
+            tps = bench_decode(runner, b, 128, args.decode_steps)
+            res["decode_tok_s"][dt][b] = tps
+            say(f"{dt:9s} decode batch {b:4d}: {tps:8.1f} tok/s")
+        secs = bench_engine(runner, prompts, args.output_len, args.budget)
+        res["engine_tok_s"][dt] = n_out / secs
+        res["processed_tok_s"][dt] = (n_prompt + n_out) / secs
+        say(f"{dt:9s} engine end to end: {n_out / secs:8.1f} output tok/s "
+            f"({(n_prompt + n_out) / secs:.1f} processed tok/s, {secs:.1f} s)")
+        if dt == "float32":
+            params = runner.args.num_params
+            roofline = flops / (2 * params)
+            res["roofline_tok_s"] = roofline
+            res["params"] = params
+            res["roofline_frac"] = (n_prompt + n_out) / secs / roofline
+            say(f"roofline {roofline:.0f} tok/s ({params / 1e6:.1f} M params): engine reaches "
+                f"{res['roofline_frac']:.2f}")
+        folder = runner.model_dir
+        pad = runner.eos_token_id or 0
+        del runner
+        if args.no_hf:
+            continue
+        res["hf_tok_s"][dt] = {}
+        for b in (int(x) for x in args.hf_batches.split(",")):
+            secs = bench_hf(folder, getattr(torch, dt), prompts, args.output_len, b, pad)
+            res["hf_tok_s"][dt][b] = n_out / secs
+            say(f"{dt:9s} transformers generate, static batch {b:3d}: {n_out / secs:8.1f} "
+                f"output tok/s ({(n_prompt + n_out) / secs:.1f} processed)")
+        res["hf_best_tok_s"][dt] = max(res["hf_tok_s"][dt].values())
+        res["ratio_vs_hf"][dt] = res["engine_tok_s"][dt] / res["hf_best_tok_s"][dt]
+        say(f"{dt:9s} engine / best transformers: {res['ratio_vs_hf'][dt]:.2f}x")
+        if dt == "float32":
+            res["hf_roofline_frac"] = (res["hf_best_tok_s"][dt] * (n_prompt + n_out) / n_out
+                                       / res["roofline_tok_s"])
+    res["loadavg_end"] = os.getloadavg()[0]
+    say(f"load average (1 min) at start {res['loadavg_start']:.2f}, "
+        f"at end {res['loadavg_end']:.2f}")
+    if args.json:
+        print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

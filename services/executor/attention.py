@@ -1,0 +1,176 @@
+"""Paged attention for one flat batch: per-step metadata plus a fast CPU path.
+
+On CUDA every call goes to `kernels.ops` (Triton). On the CPU, `kernels.reference` loops
+over sequences in Python, which is too slow for large decode batches, so this module
+splits the batch in two and keeps `kernels.reference` as the oracle in the tests:
+
+    rows  0 .. num_decode-1            decodes (q_len 1), all in ONE call:
+                                       the C kernel (cpu_kernels.c) reads K/V in
+                                       place from the pool; without a C compiler, one padded
+                                       gather of every sequence's blocks + one batched SDPA
+                                       with a length mask
+    rows  num_decode .. T-1            prefill chunks: one SDPA per chunk (few per step,
+                                       each with many query rows); a chunk that starts at
+                                       position 0 attends to its fresh K/V directly
+
+The runner orders the flat batch that way; `AttentionMetadata.build` checks it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import ops
+from services.executor import cpu_kernels
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    q_start: int                   # first query row in the flat batch
+    q_end: int
+    context_len: int               # tokens of the sequence in the cache after this step
+    block_ids: torch.Tensor | None  # [ceil(context_len / block_size)] int64; None: fresh prompt
+    mask: torch.Tensor | None      # [q_len, context_len] bool; None: plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # [T] int64: block_id * block_size + offset of each token
+    # The kernels.ops / kernels.reference form (used on CUDA):
+    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with block 0
+    seq_lens: torch.Tensor         # [B] int32: context length after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    # The CPU form:
+    num_decode: int = 0
+    decode_tables: torch.Tensor | None = None     # [num_decode, max_blocks] int32 (C kernel)
+    decode_lens: torch.Tensor | None = None       # [num_decode] int32
+    decode_max_len: int = 0
+    decode_block_ids: torch.Tensor | None = None  # [num_decode * max_blocks] int64, padded
+    decode_mask: torch.Tensor | None = None       # [num_decode, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] | None = None
+    positions: torch.Tensor | None = None          # [T] int64: each token's position
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], num_computed: list[int],
+              num_tokens: list[int], block_size: int, device: torch.device) -> "AttentionMetadata":
+        """Metadata for sequences scheduled in this order (decodes, q_len 1, first).
+
+        block_tables[b] must cover positions < num_computed[b] + num_tokens[b].
+        """
+        nseq = len(num_tokens)
+        ctx = [c + n for c, n in zip(num_computed, num_tokens)]
+        nblocks = [-(-x // block_size) for x in ctx]
+        max_blocks = max(nblocks, default=1)
+        padded = [bt[:nb] + [0] * (max_blocks - nb) for bt, nb in zip(block_tables, nblocks)]
+        tables = torch.tensor(padded, dtype=torch.int64).view(nseq, max_blocks)
+        q_lens = torch.tensor(num_tokens, dtype=torch.int64)
+        starts = torch.tensor(num_computed, dtype=torch.int64)
+        qsl = torch.zeros(nseq + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        # Per token: its sequence, its position, and its slot in the pool.
+        seq_of = torch.repeat_interleave(torch.arange(nseq), q_lens)
+        positions = torch.arange(int(qsl[-1])) - qsl[seq_of] + starts[seq_of]
+        slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
+        meta = cls(slot_mapping=slots, block_tables=tables.to(torch.int32),
+                   seq_lens=torch.tensor(ctx, dtype=torch.int32),
+                   query_start_loc=qsl.to(torch.int32))
+        meta.positions = positions
+        if device.type == "cuda":
+            meta.slot_mapping = slots.to(device, non_blocking=True)
+            meta.positions = positions.to(device, non_blocking=True)
+            meta.block_tables = meta.block_tables.to(device, non_blocking=True)
+            meta.seq_lens = meta.seq_lens.to(device, non_blocking=True)
+            meta.query_start_loc = meta.query_start_loc.to(device, non_blocking=True)
+            return meta
+        nd = 0
+        while nd < nseq and num_tokens[nd] == 1:
+            nd += 1
+        if any(n == 1 for n in num_tokens[nd:]):
+            raise ValueError("decodes (num_tokens == 1) must come first in the flat batch")
+        meta.num_decode = nd
+        if nd:
+            dmax = max(nblocks[:nd])
+            meta.decode_max_len = max(ctx[:nd])
+            if cpu_kernels.kernels() is not None:
+                meta.decode_tables = meta.block_tables[:nd, :dmax].contiguous()
+                meta.decode_lens = meta.seq_lens[:nd]
+            else:
+                meta.decode_block_ids = tables[:nd, :dmax].reshape(-1)
+                lens = torch.tensor(ctx[:nd], dtype=torch.int64)
+                meta.decode_mask = (torch.arange(dmax * block_size) < lens[:, None]).view(
+                    nd, 1, 1, -1)
+        meta.prefills = []
+        qs = qsl.tolist()
+        for b in range(nd, nseq):
+            c, n = num_computed[b], num_tokens[b]
+            if c == 0:
+                meta.prefills.append(PrefillChunk(qs[b], qs[b + 1], n, None, None))
+                continue
+            mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+            meta.prefills.append(PrefillChunk(qs[b], qs[b + 1], c + n, tables[b, :nblocks[b]],
+                                              mask))
+        return meta
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store this step's key/value [T, Hkv, D] at meta.slot_mapping."""
+    if k_cache.is_cuda:
+        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return
+    nb, bs = k_cache.shape[:2]
+    # index_copy_ into a flat [slots, Hkv, D] view: no mask, no intermediate copy.
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of the flat batch: query [T, Hq, D] -> [T, Hq, D].
+
+    key/value [T, Hkv, D] are this step's (already written to the cache); the CPU path
+    uses them directly for chunks that start at position 0.
+    """
+    if query.is_cuda:
+        return ops.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale)
+    return cpu_paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+
+
+def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    out = torch.empty(query.shape, dtype=query.dtype)
+    nb = k_cache.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(nb, -1)       # one row per block: index_select copies whole blocks
+    v_flat = v_cache.view(nb, -1)
+    nd = meta.num_decode
+    if nd and meta.decode_tables is not None:
+        out[:nd] = cpu_kernels.decode_attention(query[:nd], k_cache, v_cache, meta.decode_tables,
+                                                meta.decode_lens, meta.decode_max_len, scale)
+    elif nd:
+        # [nd, max_ctx, Hkv, D] -> [nd, Hkv, max_ctx, D] as a view (SDPA takes strides).
+        k = k_flat.index_select(0, meta.decode_block_ids).view(nd, -1, hkv, d).transpose(1, 2)
+        v = v_flat.index_select(0, meta.decode_block_ids).view(nd, -1, hkv, d).transpose(1, 2)
+        # The Hq/Hkv query heads of one KV head become its query rows: no K/V repeat (GQA).
+        q = query[:nd].reshape(nd, hkv, -1, d)                       # [nd, Hkv, group, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, -1, d)
+    for ch in meta.prefills:
+        q = query[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        if ch.block_ids is None:
+            k = key[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)
+            v = value[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            n = ch.context_len
+            k = k_flat.index_select(0, ch.block_ids).view(-1, hkv, d)[:n].transpose(0, 1)
+            v = v_flat.index_select(0, ch.block_ids).view(-1, hkv, d)[:n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
+                                               attn_mask=ch.mask, scale=scale, enable_gqa=True)
+        out[ch.q_start:ch.q_end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,172 @@
+/* CPU kernels of the executor's fp32/bf16 CPU path, called through ctypes.
+ *
+ * Built at first use by services/executor/cpu_kernels.py (gcc -O3 -march=native -fopenmp);
+ * every loop over rows runs on torch's own OpenMP pool (same libgomp soname).
+ *
+ *   paged_decode_attention   one query row per sequence, K/V read in place from the pool
+ *   add_rms_norm             residual += h; out = rms_norm(residual) * w        (fp32)
+ *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
+ *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
+ *
+ * Why C: decode attention on a CPU is bound by memory traffic. The torch path gathers
+ * every sequence's blocks into a padded copy and reads that copy again: three times the
+ * traffic of reading the pool in place. The three elementwise kernels each replace four
+ * to seven torch ops (one pass over the rows instead of one per op).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ROW 16384    /* floats: Hq * D of one token (and Hkv * D <= Hq * D) */
+#define MAX_HEADS 256
+
+/* ------------------------------------------------------------ paged decode attention
+ *
+ * Layouts (kernels/reference.py):
+ *   q          [B, Hq, D]                       fp32, contiguous, multiplied by the scale
+ *   k/v cache  [num_blocks, block_size, Hkv, D] fp32 or bf16 (dtype_bf16 = 1)
+ *   tables     [B, max_blocks]                  int32 physical block ids
+ *   lens       [B]                              int32 context length (with this token)
+ *   out        [B, Hq, D]                       fp32
+ *   scratch    [threads, Hq, max_len]           fp32 scores, one slice per thread
+ *
+ * Work item = one sequence: each token's K (then V) row of all Hkv heads is one contiguous
+ * read, shared by the Hq/Hkv query heads of each KV head (GQA). Two passes over the
+ * context (scores, then the weighted sum of V) instead of an online softmax: one exp per
+ * score and no rescaling of the accumulator.
+ */
+static inline const float *load_row(const void *base, int64_t off, int64_t n, int bf16,
+                                    float *buf) {
+    if (!bf16) return (const float *)base + off;
+    const uint16_t *src = (const uint16_t *)base + off;
+    uint32_t *u = (uint32_t *)buf;
+    for (int64_t i = 0; i < n; i++) u[i] = (uint32_t)src[i] << 16;   /* bf16 -> fp32 */
+    return buf;
+}
+
+static void attend(const float *q, const void *kc, const void *vc, int bf16,
+                   const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv,
+                   int64_t d, float *sc, int64_t max_len, float *out) {
+    float buf[MAX_ROW], acc[MAX_ROW], inv[MAX_HEADS];
+    int64_t g = hq / hkv, width = hkv * d;
+    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {       /* scores = q . k */
+        int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
+        int64_t base = (int64_t)table[blk] * bs * width;
+        for (int64_t o = 0; o < n; o++) {
+            const float *row = load_row(kc, base + o * width, width, bf16, buf);
+            for (int64_t j = 0; j < hq; j++) {
+                const float *qj = q + j * d, *kr = row + (j / g) * d;
+                float s = 0.f;
+                for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
+                sc[j * max_len + t0 + o] = s;
+            }
+        }
+    }
+    for (int64_t j = 0; j < hq; j++) {                                /* softmax */
+        float *s = sc + j * max_len;
+        float m = s[0];
+        for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        inv[j] = 1.f / sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(hq * d));                /* acc = p . v */
+    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {
+        int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
+        int64_t base = (int64_t)table[blk] * bs * width;
+        for (int64_t o = 0; o < n; o++) {
+            const float *row = load_row(vc, base + o * width, width, bf16, buf);
+            for (int64_t j = 0; j < hq; j++) {
+                float p = sc[j * max_len + t0 + o];
+                const float *vr = row + (j / g) * d;
+                float *a = acc + j * d;
+                for (int64_t i = 0; i < d; i++) a[i] += p * vr[i];
+            }
+        }
+    }
+    for (int64_t j = 0; j < hq; j++)
+        for (int64_t i = 0; i < d; i++) out[j * d + i] = acc[j * d + i] * inv[j];
+}
+
+/* Returns 0, or -1 when a dimension exceeds the fixed buffers (the caller falls back). */
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                           int dtype_bf16, const int32_t *tables, int64_t max_blocks,
+                           const int32_t *lens, float *out, int64_t B, int64_t hq, int64_t hkv,
+                           int64_t d, int64_t bs, float *scratch, int64_t max_len,
+                           int num_threads) {
+    if (hq * d > MAX_ROW || hq > MAX_HEADS || hq % hkv) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t b = 0; b < B; b++) {
+        float *sc = scratch + (int64_t)omp_get_thread_num() * hq * max_len;
+        attend(q + b * hq * d, k_cache, v_cache, dtype_bf16, tables + b * max_blocks, lens[b],
+               bs, hq, hkv, d, sc, max_len, out + b * hq * d);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ elementwise, fp32 rows */
+
+/* residual [T, H] (+= h [T, H] unless h is NULL); out [T, H] = residual / rms * w.
+ * Statistics in fp32 as transformers' LlamaRMSNorm. */
+void add_rms_norm(float *residual, const float *h, const float *w, float *out, int64_t T,
+                  int64_t H, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        float *r = residual + t * H;
+        float *o = out + t * H;
+        if (h) {
+            const float *x = h + t * H;
+            for (int64_t i = 0; i < H; i++) r[i] += x[i];
+        }
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) ss += r[i] * r[i];
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = (r[i] * inv) * w[i];
+    }
+}
+
+/* gu [T, 2I] = [gate | up] per row; out [T, I] = gate * sigmoid(gate) * up. */
+void silu_and_mul(const float *gu, float *out, int64_t T, int64_t I, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I;
+        const float *u = g + I;
+        float *o = out + t * I;
+        /* the clamp keeps expf finite (-ffast-math assumes no infinities) */
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
+    }
+}
+
+/* qkv [T, (Hq + 2 Hkv) D] with row stride `stride`: rotate the Hq + Hkv q/k heads in place
+ * (rotate-half convention, cos/sin [max_len, D/2] indexed by positions), then copy each
+ * token's k and v heads into slot_mapping[t] of the caches [slots, Hkv, D]. */
+void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const float *cos_t,
+                    const float *sin_t, const int64_t *slots, float *k_cache, float *v_cache,
+                    int64_t T, int64_t hq, int64_t hkv, int64_t d, int num_threads) {
+    int64_t half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * stride;
+        const float *c = cos_t + positions[t] * half;
+        const float *s = sin_t + positions[t] * half;
+        for (int64_t head = 0; head < hq + hkv; head++) {
+            float *x1 = row + head * d;
+            float *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+        int64_t slot = slots[t];
+        if (slot >= 0) {
+            memcpy(k_cache + slot * hkv * d, row + hq * d, sizeof(float) * (size_t)(hkv * d));
+            memcpy(v_cache + slot * hkv * d, row + (hq + hkv) * d,
+                   sizeof(float) * (size_t)(hkv * d));
+        }
+    }
+}

@@ -1,0 +1,128 @@
+"""Build, load and call the C kernels of the CPU path (cpu_kernels.c) through ctypes.
+
+The shared library is compiled once per (source, flags, CPU) into
+$PAGEDSERVE_CACHE_DIR/kernels/ and reused by later processes (about a second of gcc).
+Without a working C compiler, or with PAGEDSERVE_CPU_KERNELS=torch, `kernels()` returns
+None and callers keep their torch code path; the results agree either way (tests check
+both).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("cpu_kernels.c")
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-strict-aliasing", "-fopenmp",
+           "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None | bool = False          # False: not tried yet; None: unavailable
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded library, or None when disabled or not buildable here (logged once)."""
+    global _lib
+    if _lib is False:
+        _lib = None
+        if os.environ.get("PAGEDSERVE_CPU_KERNELS", "c") != "torch":
+            try:
+                _lib = _load()
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("CPU kernels unavailable (%s); using torch ops instead", exc)
+    return _lib
+
+
+def _load() -> ctypes.CDLL:
+    # -march=native code must not run on another CPU: the key covers source, flags and CPU.
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = next((ln for ln in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+                  if ln.startswith("flags")), "")
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS).encode() + flags.encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+    path = root / "kernels" / f"cpu_kernels-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        subprocess.run([os.environ.get("CC", "gcc"), *_CFLAGS, str(_SRC), "-o", str(tmp), "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, path)    # atomic: concurrent first starts never load a partial file
+    # NOTE: torch's libgomp is already loaded under the same soname, so these kernels run
+    # on torch's OpenMP thread pool rather than a second one competing for the cores.
+    lib = ctypes.CDLL(str(path))
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.paged_decode_attention.argtypes = [p, p, p, i32, p, i64, p, p, i64, i64, i64, i64, i64,
+                                           p, i64, i32]
+    lib.paged_decode_attention.restype = i32
+    lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
+    lib.add_rms_norm.restype = None
+    lib.silu_and_mul.argtypes = [p, p, i64, i64, i32]
+    lib.silu_and_mul.restype = None
+    lib.rope_and_cache.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
+    lib.rope_and_cache.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: torch.Tensor, lens: torch.Tensor, max_len: int,
+                     scale: float) -> torch.Tensor:
+    """Attention of one query row per sequence over its paged context: [B, Hq, D] fp32.
+
+    tables [B, max_blocks] int32 contiguous, lens [B] int32; caches fp32 or bf16."""
+    if k_cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the CPU decode kernel reads fp32 or bf16 caches, not {k_cache.dtype}")
+    nd, hq, d = query.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    q = (query.float() * scale).contiguous()
+    out = torch.empty(nd, hq, d, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads * hq * max_len, dtype=torch.float32)
+    rc = kernels().paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), nd, hq, hkv, d, bs,
+        scratch.data_ptr(), max_len, threads)
+    if rc != 0:
+        raise ValueError(f"{hq} heads of {d} exceed the CPU decode kernel (at most 256 heads "
+                         "and 16384 floats per token): set PAGEDSERVE_CPU_KERNELS=torch")
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += h (in place, unless h is None); returns rms_norm(residual) * weight."""
+    out = torch.empty_like(residual)
+    t, hidden = residual.shape
+    kernels().add_rms_norm(residual.data_ptr(), _ptr(h), weight.data_ptr(), out.data_ptr(), t,
+                           hidden, eps, torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    kernels().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
+                           torch.get_num_threads())
+    return out
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """Rotate the q and k heads of qkv [T, (Hq + 2 Hkv) D] in place; store k, v at slots."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    kernels().rope_and_cache(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
+                             sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                             v_cache.data_ptr(), t, num_heads, num_kv_heads, d,
+                             torch.get_num_threads())

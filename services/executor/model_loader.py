@@ -1,0 +1,146 @@
+"""Model loading: resolve the source, convert a GGUF once, read safetensors into fused weights.
+
+    --model value ──resolve_model──▶ HF folder ──────────────────────────┐
+                                    GGUF file ──convert once──▶ cache dir ┴─▶ LlamaModel
+
+The conversion dequantises the GGUF through transformers (which also undoes llama.cpp's
+Q/K row permutation) and writes config.json + model.safetensors + tokenizer files into
+ModelSource.cache_dir, so later starts only read safetensors (seconds).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from services.executor.llama import LlamaArgs, LlamaModel
+from shared.model_source import ModelSource, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def ensure_hf_folder(source: ModelSource) -> Path:
+    """A folder holding config.json + *.safetensors for `source`, converting a GGUF once."""
+    if source.hf_dir is not None:
+        if not any(source.hf_dir.glob("*.safetensors")):
+            raise FileNotFoundError(f"{source.hf_dir} has no *.safetensors weights: save the model "
+                                    "with save_pretrained(..., safe_serialization=True)")
+        return source.hf_dir
+    out = source.cache_dir
+    if (out / WEIGHTS_FILE).exists() and (out / "config.json").exists():
+        return out
+    convert_gguf(source)
+    return out
+
+
+def convert_gguf(source: ModelSource) -> Path:
+    """Dequantise source.gguf_file into source.cache_dir (HF layout). Atomic per file:
+    model.safetensors, the marker of a finished conversion, is renamed into place last."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out = source.cache_dir
+    out.mkdir(parents=True, exist_ok=True)
+    load_tokenizer(source)  # writes the tokenizer files into the same folder
+    log.info("converting %s once into %s", source.gguf_file, out)
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(
+        source.gguf_file.parent, gguf_file=source.gguf_file.name, **{dtype_kw: torch.float32})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    tied = cfg.get("tie_word_embeddings", False)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    tmp = out.parent / f".{out.name}.convert-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        save_file(state, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        os.replace(tmp / "config.json", out / "config.json")
+        os.replace(tmp / WEIGHTS_FILE, out / WEIGHTS_FILE)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_args(folder: Path) -> LlamaArgs:
+    return LlamaArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
+               progress: bool = True) -> LlamaModel:
+    """Build a LlamaModel from folder's config.json and *.safetensors (q/k/v and gate/up fused)."""
+    args = read_args(folder)
+    model = LlamaModel(args, dtype, device, max_model_len)
+    h, d, i = args.hidden_size, args.head_dim, args.intermediate_size
+    nq, nkv = args.num_heads * d, args.num_kv_heads * d
+    new = lambda *shape: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+    # Where each checkpoint tensor goes: (target tensor, first row) for the fused ones.
+    targets: dict[str, tuple[torch.Tensor, int]] = {}
+    model.embed = new(args.vocab_size, h)
+    targets["model.embed_tokens.weight"] = (model.embed, 0)
+    model.norm = new(h)
+    targets["model.norm.weight"] = (model.norm, 0)
+    if not args.tie_word_embeddings:
+        model.lm_head.weight = new(args.vocab_size, h)
+        targets["lm_head.weight"] = (model.lm_head.weight, 0)
+    for n, layer in enumerate(model.layers):
+        p = f"model.layers.{n}."
+        layer.input_norm, layer.post_norm = new(h), new(h)
+        qkv, o = layer.qkv, layer.o
+        gate_up, down = layer.gate_up, layer.down
+        qkv.weight, o.weight = new(nq + 2 * nkv, h), new(h, nq)
+        gate_up.weight, down.weight = new(2 * i, h), new(h, i)
+        targets |= {p + "input_layernorm.weight": (layer.input_norm, 0),
+                    p + "post_attention_layernorm.weight": (layer.post_norm, 0),
+                    p + "self_attn.q_proj.weight": (qkv.weight, 0),
+                    p + "self_attn.k_proj.weight": (qkv.weight, nq),
+                    p + "self_attn.v_proj.weight": (qkv.weight, nq + nkv),
+                    p + "self_attn.o_proj.weight": (o.weight, 0),
+                    p + "mlp.gate_proj.weight": (gate_up.weight, 0),
+                    p + "mlp.up_proj.weight": (gate_up.weight, i),
+                    p + "mlp.down_proj.weight": (down.weight, 0)}
+        if args.qkv_bias:
+            qkv.bias = new(nq + 2 * nkv)
+            targets |= {p + "self_attn.q_proj.bias": (qkv.bias, 0),
+                        p + "self_attn.k_proj.bias": (qkv.bias, nq),
+                        p + "self_attn.v_proj.bias": (qkv.bias, nq + nkv)}
+        if args.o_bias:
+            o.bias = new(h)
+            targets[p + "self_attn.o_proj.bias"] = (o.bias, 0)
+        if args.mlp_bias:
+            gate_up.bias, down.bias = new(2 * i), new(h)
+            targets |= {p + "mlp.gate_proj.bias": (gate_up.bias, 0),
+                        p + "mlp.up_proj.bias": (gate_up.bias, i),
+                        p + "mlp.down_proj.bias": (down.bias, 0)}
+    missing = set(targets)
+    files = sorted(folder.glob("*.safetensors"))
+    bar = tqdm(total=len(targets), desc=f"loading {folder.name}", unit="tensor",
+               disable=not progress)
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name not in targets:
+                    continue    # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
+                dst, row = targets[name]
+                src = st.get_tensor(name)
+                dst[row:row + src.shape[0]].copy_(src)
+                missing.discard(name)
+                bar.update(1)
+    bar.close()
+    if missing:
+        raise ValueError(f"{folder} lacks {len(missing)} weights the config needs, e.g. "
+                         f"{sorted(missing)[:3]}: the checkpoint and config.json disagree")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed
+    return model

@@ -1,0 +1,298 @@
+"""ModelRunner: executes one StepPlan (cache ops, forward, sampling) and keeps per-seq state.
+
+    execute(plan)
+      1. drop finished_seq_ids, register new_seqs
+      2. per ScheduledSeq: append tokens, apply the block-table diff (keep, append)
+      3. cache ops in order: swap_out, swap_in, copy
+      4. one forward over the flat batch (decodes first, then prefill chunks); chunk of a
+         seq = tokens[num_computed : num_computed + num_tokens]
+      5. LM head on the rows that sample or want prompt logprobs only; sample
+      6. StepResult: one SeqSample per scheduled seq (token_id -1 if it did not sample)
+
+The runner never decides policy: it trusts the plan, checks it only enough to fail
+with a clear StepResult.error instead of corrupting memory.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.attention import AttentionMetadata
+from services.executor.config import ExecutorConfig, ExecutorConfigError
+from services.executor.kv_cache import GIB, KVCache, block_bytes, blocks_in, gpu_kv_budget_bytes
+from services.executor.model_loader import ensure_hf_folder, load_model, read_args
+from services.executor.sampler import Sampler, SampleRow
+from shared.messages import (NewSeq, SamplingParams, ScheduledSeq, SeqSample, StepPlan,
+                             StepResult, TokenLogprob)
+from shared.model_source import resolve_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PlanError(ValueError):
+    """The plan contradicts the executor's state (unknown seq, block table too short, ...)."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What the executor remembers about one sequence between steps."""
+
+    request_id: str
+    token_ids: list[int]           # prompt + outputs appended by the scheduler
+    prompt_len: int
+    block_table: list[int]         # logical block -> physical block of the GPU pool
+    sampling: SamplingParams
+    sample_index: int
+    # Prompt logprob of position `pending_pos`, computed from the last row of the previous
+    # chunk; reported with the chunk that computes that position.
+    pending_prompt_lp: TokenLogprob | None = None
+    pending_pos: int = -1
+
+
+class ModelRunner:
+    def __init__(self, config: ExecutorConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = _resolve_device(config.device)
+        if self.device.type == "cpu" and config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        self.model_name = source.served_name
+        folder = ensure_hf_folder(source)
+        self.model_dir = folder                       # config.json + safetensors (+ tokenizer)
+        args = read_args(folder)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        limit = args.max_position_embeddings
+        if args.sliding_window:
+            # NOTE: no windowed attention here; capping the length keeps every context
+            # inside the window, where full attention is exact.
+            limit = min(limit, args.sliding_window)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ExecutorConfigError(f"max_model_len {config.max_model_len} exceeds what "
+                                      f"{self.model_name} supports ({limit}): pass at most {limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.block_size = config.block_size
+        self.model = load_model(folder, self.dtype, self.device, self.max_model_len)
+        self.packed_weights = self.model.pack_for_cpu()   # CPU fp32: MKL packed GEMM
+        self.args = self.model.args
+        self.eos_token_id = args.eos_token_ids[0] if args.eos_token_ids else None
+        one = block_bytes(args.num_layers, self.block_size, args.num_kv_heads, args.head_dim,
+                          self.dtype)
+        self.num_gpu_blocks = config.num_gpu_blocks or self._size_pool(one)
+        self.num_cpu_blocks = blocks_in(config.swap_space_gib * GIB, one)
+        if self.num_gpu_blocks < 1:
+            raise ExecutorConfigError(
+                f"no memory left for the KV cache after loading {self.model_name}: raise "
+                "kv_cache_gib (CPU) or gpu_memory_utilization (GPU), or use a smaller model")
+        self.kv = KVCache(args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
+                          self.block_size, args.num_kv_heads, args.head_dim, self.dtype,
+                          self.device)
+        self.sampler = Sampler(config.seed)
+        self.seqs: dict[int, SeqState] = {}
+        self.keep_logits = False                      # tests: keep each sampling row's logits
+        self.last_logits: dict[int, torch.Tensor] = {}
+        log.info("executor ready: %s %s on %s, %d KV blocks (+%d swap) of %d tokens",
+                 self.model_name, self.dtype, self.device, self.num_gpu_blocks,
+                 self.num_cpu_blocks, self.block_size)
+
+    # ------------------------------------------------------------------ the step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan. Never raises: a failure comes back as StepResult.error."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                samples = self._execute(plan)
+        except Exception as exc:  # one bad plan must not take the executor down
+            log.exception("step %s failed", plan.step_id)
+            kind = "invalid plan" if isinstance(exc, PlanError) else type(exc).__name__
+            return StepResult(plan.step_id, error=f"executor step {plan.step_id} failed "
+                              f"({kind}): {exc}")
+        return StepResult(plan.step_id, samples, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _execute(self, plan: StepPlan) -> list[SeqSample]:
+        for sid in plan.finished_seq_ids:
+            self.seqs.pop(sid, None)
+        for ns in plan.new_seqs:
+            self._add_seq(ns)
+        for s in plan.scheduled:
+            self._apply_diff(s)
+        self.kv.swap_out(plan.swap_out)
+        self.kv.swap_in(plan.swap_in)
+        self.kv.copy(plan.copy)
+        if not plan.scheduled:
+            return []
+        return self._run(plan.scheduled)
+
+    def _add_seq(self, ns: NewSeq) -> None:
+        if not 0 < ns.prompt_len <= len(ns.token_ids):
+            raise PlanError(f"seq {ns.seq_id}: prompt_len {ns.prompt_len} does not fit its "
+                            f"{len(ns.token_ids)} tokens")
+        self._check_blocks(ns.seq_id, ns.block_table)
+        self.seqs[ns.seq_id] = SeqState(ns.request_id, list(ns.token_ids), ns.prompt_len,
+                                        list(ns.block_table), ns.sampling, ns.sample_index)
+
+    def _check_blocks(self, seq_id: int, blocks: list[int]) -> None:
+        if any(not 0 <= b < self.num_gpu_blocks for b in blocks):
+            raise PlanError(f"seq {seq_id}: block id outside the pool of {self.num_gpu_blocks} "
+                            f"blocks in {blocks}")
+
+    def _apply_diff(self, s: ScheduledSeq) -> None:
+        st = self.seqs.get(s.seq_id)
+        if st is None:
+            raise PlanError(f"seq {s.seq_id} is scheduled but unknown to the executor "
+                            "(send it as NewSeq first)")
+        st.token_ids.extend(s.append_token_ids)
+        if s.block_keep >= 0:
+            del st.block_table[s.block_keep:]
+        self._check_blocks(s.seq_id, s.block_append)
+        st.block_table.extend(s.block_append)
+        end = s.num_computed_tokens + s.num_tokens
+        if s.num_tokens < 1 or s.num_computed_tokens < 0 or end > len(st.token_ids):
+            raise PlanError(f"seq {s.seq_id}: tokens [{s.num_computed_tokens}, {end}) are not "
+                            f"within its {len(st.token_ids)} tokens")
+        if end > self.max_model_len:
+            raise PlanError(f"seq {s.seq_id}: {end} tokens exceed max_model_len "
+                            f"{self.max_model_len}")
+        if len(st.block_table) * self.block_size < end:
+            raise PlanError(f"seq {s.seq_id}: {len(st.block_table)} blocks cannot hold {end} "
+                            "tokens")
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[SeqSample]:
+        # Decodes first: the CPU attention handles them in one vectorised call.
+        order = sorted(scheduled, key=lambda s: s.num_tokens != 1)
+        states = [self.seqs[s.seq_id] for s in order]
+        input_ids: list[int] = []
+        for s, st in zip(order, states):
+            input_ids += st.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_tokens]
+        meta = AttentionMetadata.build([st.block_table for st in states],
+                                       [s.num_computed_tokens for s in order],
+                                       [s.num_tokens for s in order], self.block_size,
+                                       self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
+
+        # Which rows get logits: sampling rows first, then prompt-logprob rows.
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []             # index into `order`
+        prompt_rows: list[tuple[int, int, int]] = []  # (order index, first row, row count)
+        row = 0
+        for j, (s, st) in enumerate(zip(order, states)):
+            c, n = s.num_computed_tokens, s.num_tokens
+            if c + n == len(st.token_ids):
+                sample_rows.append(row + n - 1)
+                sample_seqs.append(j)
+            if st.sampling.prompt_logprobs is not None:
+                # row r predicts position r + 1; prompt positions end at prompt_len - 1
+                cnt = max(0, min(c + n, st.prompt_len - 1) - c)
+                if cnt or st.pending_pos == c:
+                    prompt_rows.append((j, row, cnt))
+            row += n
+        rows = sample_rows + [r0 + i for _, r0, cnt in prompt_rows for i in range(cnt)]
+        out = [SeqSample(s.seq_id, -1) for s in order]
+        logits = self.model.compute_logits(
+            hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device)))
+        self._sample(logits[:len(sample_rows)], order, states, sample_seqs, out)
+        self._prompt_logprobs(logits[len(sample_rows):], order, states, prompt_rows, out)
+        pos = {s.seq_id: i for i, s in enumerate(order)}
+        return [out[pos[s.seq_id]] for s in scheduled]
+
+    def _sample(self, logits, order, states, sample_seqs, out) -> None:
+        if not sample_seqs:
+            return
+        rows = [SampleRow(states[j].sampling, states[j].token_ids, states[j].prompt_len,
+                          states[j].sample_index) for j in sample_seqs]
+        res = self.sampler(logits, rows)
+        for i, j in enumerate(sample_seqs):
+            o = out[j]
+            o.token_id, o.logprob, o.top = res.token_ids[i], res.logprobs[i], res.top[i]
+        if self.keep_logits:
+            self.last_logits = {order[j].seq_id: logits[i].cpu() for i, j in enumerate(sample_seqs)}
+
+    def _prompt_logprobs(self, logits, order, states, prompt_rows, out) -> None:
+        """Prompt logprobs for the prompt positions computed this step (position 0 has none).
+
+        Row r of a chunk predicts position r + 1; the logprob of the first position of the
+        next chunk is computed now and reported with that chunk.
+        """
+        if not prompt_rows:
+            return
+        lp = torch.log_softmax(logits, dim=-1)
+        kmax = max(states[j].sampling.prompt_logprobs for j, _, _ in prompt_rows)
+        k_vals, k_idx = (lp.topk(min(kmax, lp.shape[1]), dim=-1) if kmax and len(lp) else
+                         (torch.empty(0, 0), torch.empty(0, 0)))
+        targets = []
+        for j, _, cnt in prompt_rows:
+            c = order[j].num_computed_tokens
+            targets += states[j].token_ids[c + 1:c + 1 + cnt]
+        tgt = torch.tensor(targets, dtype=torch.int64, device=lp.device)
+        chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+        k_vals, k_idx = k_vals.tolist(), k_idx.tolist()
+        i = 0
+        for j, _, cnt in prompt_rows:
+            st, s = states[j], order[j]
+            c, k = s.num_computed_tokens, st.sampling.prompt_logprobs
+            entries = []
+            if st.pending_pos == c and st.pending_prompt_lp is not None:
+                entries.append(st.pending_prompt_lp)
+            for r in range(cnt):
+                top = [[t, v] for t, v in zip(k_idx[i + r][:k], k_vals[i + r][:k])] if k else []
+                entries.append(TokenLogprob(targets[i + r], chosen[i + r], top))
+            st.pending_prompt_lp, st.pending_pos = None, -1
+            if c + s.num_tokens < st.prompt_len and entries and cnt:
+                # the last entry is position c + num_tokens: it belongs to the next chunk
+                st.pending_prompt_lp, st.pending_pos = entries.pop(), c + s.num_tokens
+            out[j].prompt_logprobs = entries
+            i += cnt
+
+    # ------------------------------------------------------------------ sizing
+
+    def _size_pool(self, one_block: int) -> int:
+        if self.device.type == "cpu":
+            return blocks_in(self.config.kv_cache_gib * GIB, one_block)
+        return blocks_in(self._profile_gpu(), one_block)
+
+    def _profile_gpu(self) -> int:
+        """Run the largest forward this config allows on a scratch pool; return the KV budget."""
+        a = self.args
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        nblocks = -(-n // self.block_size)
+        scratch = KVCache(a.num_layers, nblocks, 0, self.block_size, a.num_kv_heads, a.head_dim,
+                          self.dtype, self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata.build([list(range(nblocks))], [0], [n], self.block_size,
+                                       self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            hidden = self.model.forward(ids, meta.positions, meta, scratch.gpu)
+            rows = min(n, 256)  # a step samples at most one row per sequence
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+        del scratch, hidden
+        return gpu_kv_budget_bytes(self.device, self.config.gpu_memory_utilization)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ExecutorConfigError("device 'cuda' requested but no CUDA GPU is visible: "
+                                  "pass device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32   # exact, and no slower than bf16 on CPUs without AMX
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtype = _DTYPES[name]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ExecutorConfigError("float16 is not supported on the CPU: use float32 or bfloat16")
+    return dtype

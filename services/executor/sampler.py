@@ -1,0 +1,180 @@
+"""Batched sampling from the logits of the rows that sample this step.
+
+Per row, in this order (vLLM semantics):
+
+    raw logits ──log_softmax──▶ reported logprob, top candidates
+        │
+        ├─ stop tokens banned while fewer than min_tokens outputs exist
+        ├─ repetition penalty over prompt+output tokens (x / p if x > 0 else x * p)
+        ├─ frequency * count + presence * [count > 0] subtracted, over output tokens
+        ├─ temperature 0 ─▶ argmax
+        └─ / temperature ─▶ softmax ─▶ min-p ─▶ top-k ─▶ top-p ─▶ inverse-CDF draw with u
+
+Seeded requests draw `u` from a hash of (seed, sample_index, output position), not from
+a stateful generator: the draw depends only on the row itself, so it is the same whatever
+else is in the batch and after the sequence was preempted and recomputed. Unseeded rows
+take u from the runner's generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.messages import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GREEDY_EPS = 1e-5     # temperatures below this are greedy
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs to know about one sampling sequence."""
+
+    params: SamplingParams
+    token_ids: list[int]      # prompt + outputs so far
+    prompt_len: int
+    sample_index: int = 0
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]          # raw log_softmax of the sampled token
+    top: list[list[list]]          # per row: [[token_id, logprob], ...] best first
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, sample_index: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends only on its three arguments."""
+    h = _splitmix64((seed & _MASK64) ^ _splitmix64(sample_index ^ _splitmix64(position)))
+    return (h >> 11) * 2.0 ** -53
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        """Sample one token per row of fp32 logits [R, V] (CPU or GPU)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        x = self._constrained_logits(logits, rows)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_EPS]
+        rand = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
+        if greedy:
+            tokens[greedy] = x[greedy].argmax(dim=-1)
+        if rand:
+            tokens[rand] = self._sample(x[rand], [rows[i] for i in rand])
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        ks = [max(r.params.logprobs or 0, 2 * r.params.beam_width) for r in rows]
+        top = [[] for _ in rows]
+        if max(ks):
+            vals, idx = logprobs.topk(min(max(ks), logprobs.shape[1]), dim=-1)
+            vals, idx = vals.tolist(), idx.tolist()
+            top = [[[t, v] for t, v in zip(idx[i][:k], vals[i][:k])] for i, k in enumerate(ks)]
+        return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+
+    # ------------------------------------------------------------------ logits processing
+
+    def _constrained_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Logits with min_tokens bans and penalties applied (a copy only if anything applies)."""
+        ban = [(i, r.params.stop_token_ids) for i, r in enumerate(rows)
+               if r.params.stop_token_ids and r.output_len < r.params.min_tokens]
+        pen = [i for i, r in enumerate(rows)
+               if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
+               or r.params.frequency_penalty != 0.0]
+        if not ban and not pen:
+            return logits
+        x = logits.clone()
+        for i, stop_ids in ban:
+            x[i, stop_ids] = float("-inf")
+        if pen:
+            x[pen] = self._penalised(x[pen], [rows[i] for i in pen])
+        return x
+
+    @staticmethod
+    def _penalised(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        n, vocab = x.shape
+        dev = x.device
+        # Padded token matrix; the pad id `vocab` lands in a spare column that is dropped.
+        longest = max(len(r.token_ids) for r in rows)
+        toks = torch.full((n, longest), vocab, dtype=torch.int64)
+        is_out = torch.zeros((n, longest), dtype=torch.float32)
+        for j, r in enumerate(rows):
+            toks[j, :len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.int64)
+            is_out[j, r.prompt_len:len(r.token_ids)] = 1.0
+        toks, is_out = toks.to(dev), is_out.to(dev)
+        seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=dev)
+        seen.scatter_(1, toks, True)
+        counts = torch.zeros((n, vocab + 1), dtype=torch.float32, device=dev)
+        counts.scatter_add_(1, toks, is_out)
+        seen, counts = seen[:, :vocab], counts[:, :vocab]
+        def col(vals: list[float]) -> torch.Tensor:
+            return torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
+
+        rep = col([r.params.repetition_penalty for r in rows])
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - col([r.params.frequency_penalty for r in rows]) * counts
+        return x - col([r.params.presence_penalty for r in rows]) * (counts > 0)
+
+    # ------------------------------------------------------------------ random sampling
+
+    def _sample(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        n = x.shape[0]
+        dev = x.device
+        def col(vals: list, dt: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dt, device=dev)[:, None]
+
+        probs = torch.softmax(x / col([r.params.temperature for r in rows]), dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            # keep tokens at least min_p times as likely as the most likely one
+            cut = col(min_p) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < cut, 0.0)
+        u = col(self._uniforms(rows), torch.float64)
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if not any(top_k) and all(p >= 1.0 for p in top_p):
+            return _inverse_cdf(probs.double(), u)
+        # Sort once; top-k and top-p both cut a prefix of the sorted distribution.
+        if all(top_k):
+            sp, si = probs.topk(min(max(top_k), probs.shape[1]), dim=-1)
+        else:
+            sp, si = probs.sort(dim=-1, descending=True)
+        sp = sp.double()
+        rank = torch.arange(sp.shape[1], device=dev)[None, :]
+        k = col([k if k > 0 else sp.shape[1] for k in top_k], torch.int64)
+        sp = sp.masked_fill(rank >= k, 0.0)
+        # top-p over the top-k renormalised distribution; the first token always stays.
+        sp = sp / sp.sum(dim=-1, keepdim=True)
+        before = sp.cumsum(dim=-1) - sp
+        sp = sp.masked_fill(before >= col(top_p, torch.float64), 0.0)
+        return si.gather(1, _inverse_cdf(sp, u)[:, None])[:, 0]
+
+    def _uniforms(self, rows: list[SampleRow]) -> list[float]:
+        free = torch.rand(len(rows), generator=self.generator, dtype=torch.float64).tolist()
+        return [free[i] if r.params.seed is None
+                else seeded_uniform(r.params.seed, r.sample_index, r.output_len)
+                for i, r in enumerate(rows)]
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of unnormalised weights p [R, N] (float64) with u [R, 1]."""
+    cdf = p.cumsum(dim=-1)
+    target = u * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # A zero weight never wins (its cdf equals its left neighbour's). u * total < total, so
+    # idx < N; rounding at the very end could still reach N, so cap at the last nonzero one.
+    last = p.shape[1] - 1 - (p > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(idx, last)

@@ -1,0 +1,146 @@
+"""A tiny plan builder that drives ModelRunner the way the scheduler will, for the tests.
+
+It owns a free list of GPU and CPU blocks and builds StepPlans under a token budget:
+decodes first (1 token each), then prefill chunks of whatever budget is left, so prompts
+are split into chunks and decodes mix with prefill chunks in one flat batch. It can force
+the two preemption paths mid-generation: swap out / swap in (the seq comes back on new
+GPU block ids) and recompute (drop the seq, re-send it later as a NewSeq with all tokens).
+No policy beyond that: this is a test driver, not the scheduler.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
+
+
+@dataclass
+class TestSeq:
+    seq_id: int
+    tokens: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    max_new: int
+    sample_index: int = 0
+    table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    state: str = "new"          # new | running | swapped | dropped | done
+    cpu_table: list[int] = field(default_factory=list)
+    to_append: list[int] = field(default_factory=list)   # sampled since the last plan
+    block_keep: int = -1
+    block_append: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[:self.prompt_len]
+
+
+class PlanBuilder:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 token_budget: int) -> None:
+        # Freed blocks go to the back, allocation takes from the front: a seq that is
+        # swapped back in gets different block ids than it had.
+        self.free_gpu = deque(range(num_gpu_blocks))
+        self.free_cpu = deque(range(num_cpu_blocks))
+        self.block_size = block_size
+        self.budget = token_budget
+        self.seqs: dict[int, TestSeq] = {}
+        self.step_id = 0
+        self._swap_out: list[list[int]] = []
+        self._swap_in: list[list[int]] = []
+        self._finished: list[int] = []
+
+    def add(self, seq_id: int, prompt: list[int], sampling: SamplingParams, max_new: int,
+            sample_index: int = 0) -> TestSeq:
+        seq = TestSeq(seq_id, list(prompt), len(prompt), sampling, max_new, sample_index)
+        self.seqs[seq_id] = seq
+        return seq
+
+    @property
+    def done(self) -> bool:
+        return all(s.state == "done" for s in self.seqs.values())
+
+    # ------------------------------------------------------------------ preemption
+
+    def swap_out(self, seq_id: int) -> None:
+        seq = self.seqs[seq_id]
+        assert seq.state == "running"
+        seq.cpu_table = [self.free_cpu.popleft() for _ in seq.table]
+        self._swap_out += [[g, c] for g, c in zip(seq.table, seq.cpu_table)]
+        self.free_gpu.extend(seq.table)
+        seq.table, seq.state = [], "swapped"
+
+    def swap_in(self, seq_id: int) -> list[int]:
+        """Bring a swapped seq back; returns its new GPU block table."""
+        seq = self.seqs[seq_id]
+        assert seq.state == "swapped"
+        seq.table = [self.free_gpu.popleft() for _ in seq.cpu_table]
+        self._swap_in += [[c, g] for c, g in zip(seq.cpu_table, seq.table)]
+        self.free_cpu.extend(seq.cpu_table)
+        seq.block_keep, seq.block_append = 0, list(seq.table)
+        seq.cpu_table, seq.state = [], "running"
+        return seq.table
+
+    def recompute(self, seq_id: int) -> None:
+        """Preempt by recompute: the executor drops the seq now; it returns as a NewSeq
+        carrying prompt + outputs in a later plan."""
+        seq = self.seqs[seq_id]
+        assert seq.state == "running"
+        self.free_gpu.extend(seq.table)
+        seq.table, seq.num_computed, seq.to_append = [], 0, []
+        seq.block_keep, seq.block_append = -1, []
+        seq.state = "dropped"
+        self._finished.append(seq_id)
+
+    # ------------------------------------------------------------------ one step
+
+    def next_plan(self) -> StepPlan:
+        plan = StepPlan(self.step_id, swap_out=self._swap_out, swap_in=self._swap_in,
+                        finished_seq_ids=self._finished)
+        self.step_id += 1
+        self._swap_out, self._swap_in, self._finished = [], [], []
+        left = self.budget
+        running = [s for s in self.seqs.values() if s.state in ("running", "new")]
+        decodes = [s for s in running if len(s.tokens) - s.num_computed == 1]
+        prefills = [s for s in running if len(s.tokens) - s.num_computed > 1]
+        for seq in decodes + prefills:
+            n = min(len(seq.tokens) - seq.num_computed, left)
+            if n <= 0:
+                break
+            left -= n
+            grow = [self.free_gpu.popleft()
+                    for _ in range(-(-(seq.num_computed + n) // self.block_size) - len(seq.table))]
+            seq.table += grow
+            if seq.state == "new":
+                plan.new_seqs.append(NewSeq(seq.seq_id, f"req-{seq.seq_id}", list(seq.tokens),
+                                            seq.prompt_len, list(seq.table), seq.sampling,
+                                            seq.sample_index))
+                seq.state = "running"
+                sched = ScheduledSeq(seq.seq_id, seq.num_computed, n)
+            else:
+                sched = ScheduledSeq(seq.seq_id, seq.num_computed, n, seq.to_append,
+                                     seq.block_keep, seq.block_append + grow)
+            plan.scheduled.append(sched)
+            seq.to_append, seq.block_keep, seq.block_append = [], -1, []
+            seq.num_computed += n
+        for seq in self.seqs.values():
+            if seq.state == "dropped" and seq.seq_id in plan.finished_seq_ids:
+                seq.state = "new"   # this plan drops it; the next one re-admits it
+        return plan
+
+    def apply(self, result: StepResult) -> None:
+        assert result.error is None, result.error
+        for s in result.samples:
+            if s.token_id < 0:
+                continue
+            seq = self.seqs[s.seq_id]
+            seq.tokens.append(s.token_id)
+            seq.outputs.append(s.token_id)
+            seq.to_append.append(s.token_id)
+            if len(seq.outputs) >= seq.max_new:
+                seq.state = "done"
+                self.free_gpu.extend(seq.table)
+                seq.table = []
+                self._finished.append(seq.seq_id)

@@ -1,0 +1,236 @@
+"""ModelRunner's handling of the plan contract: per-seq state, block-table diffs, cache ops,
+prompt logprobs, and errors that come back in the StepResult."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from shared.wire import decode, encode
+from tests.executor.conftest import tiny_runner
+from tests.executor.test_loader import hf_logits, teacher_forced_logits
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [5, 17, 33, 101, 7, 64, 9, 250, 3, 44, 12]      # 11 tokens: 3 blocks of 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    folder, hf = tiny_llama
+    return tiny_runner(folder), hf
+
+
+def _generate(r, steps, seq_id=1, table=(0, 1, 2, 3, 4, 5), params=GREEDY, prompt=PROMPT):
+    """Greedy tokens of one seq run alone: prefill, then `steps - 1` decodes."""
+    res = r.execute(StepPlan(0, [NewSeq(seq_id, "r", prompt, len(prompt), list(table), params)],
+                             [ScheduledSeq(seq_id, 0, len(prompt))]))
+    out = [res.samples[0].token_id]
+    for i in range(steps - 1):
+        res = r.execute(StepPlan(i + 1, scheduled=[
+            ScheduledSeq(seq_id, len(prompt) + i, 1, [out[-1]])]))
+        assert res.error is None, res.error
+        out.append(res.samples[0].token_id)
+    r.execute(StepPlan(99, finished_seq_ids=[seq_id]))
+    return out
+
+
+def test_prefill_chunk_short_of_the_end_does_not_sample(tiny):
+    r, _ = tiny
+    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                             [ScheduledSeq(1, 0, 6)]))
+    assert res.error is None and res.samples[0].token_id == -1
+    res = r.execute(StepPlan(1, scheduled=[ScheduledSeq(1, 6, 5)]))
+    assert res.samples[0].token_id >= 0
+    r.execute(StepPlan(2, finished_seq_ids=[1]))
+
+
+def test_finished_seq_ids_drop_executor_state(tiny):
+    r, _ = tiny
+    _generate(r, 2)
+    assert 1 not in r.seqs
+    res = r.execute(StepPlan(5, scheduled=[ScheduledSeq(1, 11, 1, [3])]))
+    assert res.error is not None and "unknown" in res.error and "NewSeq" in res.error
+
+
+def test_block_diff_copy_on_write_keeps_the_output(tiny):
+    """Fork after the prompt: the child keeps the parent's blocks except the last, partly
+    filled one, which the plan copies (copy op) before the child writes into it."""
+    r, _ = tiny
+    alone = _generate(r, 6, table=range(6))
+    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                             [ScheduledSeq(1, 0, len(PROMPT))]))
+    first = res.samples[0].token_id
+    # child seq 2 shares blocks 0, 1, 2; block 2 holds 3 tokens and is copied to block 9
+    fork = NewSeq(2, "r", PROMPT + [first], len(PROMPT), [0, 1, 2], GREEDY)
+    res = r.execute(StepPlan(1, [fork], [
+        ScheduledSeq(1, 11, 1, [first], block_append=[3]),
+        ScheduledSeq(2, 11, 1, [], block_keep=2, block_append=[9])], copy=[[2, 9]]))
+    assert r.seqs[2].block_table == [0, 1, 9] and r.seqs[1].block_table == [0, 1, 2, 3]
+    assert res.samples[0].token_id == res.samples[1].token_id == alone[1]
+    r.execute(StepPlan(2, finished_seq_ids=[1, 2]))
+
+
+def test_swap_out_and_in_moves_the_blocks(tiny):
+    r, _ = tiny
+    alone = _generate(r, 5)
+    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                             [ScheduledSeq(1, 0, len(PROMPT))]))
+    out = [res.samples[0].token_id]
+    saved = r.kv.gpu[:, :, [0, 1, 2]].clone()
+    r.execute(StepPlan(1, swap_out=[[0, 5], [1, 6], [2, 7]]))
+    r.kv.gpu[:, :, [0, 1, 2]] = 0.0                   # another seq reuses the blocks
+    res = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 11, 1, [out[-1]], block_keep=0,
+                                                        block_append=[20, 21, 22, 23])],
+                             swap_in=[[5, 20], [6, 21], [7, 22]]))
+    assert r.seqs[1].block_table == [20, 21, 22, 23]
+    assert torch.equal(r.kv.gpu[:, :, [20, 21]], saved[:, :, :2])
+    assert torch.equal(r.kv.gpu[:, :, 22, :3], saved[:, :, 2, :3])   # slot 3: this step's token
+    out.append(res.samples[0].token_id)
+    for i in range(3):
+        res = r.execute(StepPlan(3 + i, scheduled=[ScheduledSeq(1, 12 + i, 1, [out[-1]])]))
+        out.append(res.samples[0].token_id)
+    r.execute(StepPlan(9, finished_seq_ids=[1]))
+    assert out == alone
+
+
+def test_recompute_as_new_seq_with_outputs_continues_identically(tiny):
+    r, _ = tiny
+    alone = _generate(r, 6)
+    head = _generate(r, 3)
+    # the seq was dropped; it comes back with prompt + its 3 outputs, on other blocks
+    resumed = PROMPT + head
+    res = r.execute(StepPlan(0, [NewSeq(1, "r", resumed, len(PROMPT), [10, 11, 12, 13], GREEDY)],
+                             [ScheduledSeq(1, 0, len(resumed))]))
+    out = head + [res.samples[0].token_id]
+    for i in range(2):
+        res = r.execute(StepPlan(1 + i, scheduled=[
+            ScheduledSeq(1, len(resumed) + i, 1, [out[-1]])]))
+        out.append(res.samples[0].token_id)
+    r.execute(StepPlan(9, finished_seq_ids=[1]))
+    assert out == alone
+
+
+def test_prompt_logprobs_cover_each_position_once_across_chunks(tiny):
+    r, hf = tiny
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    got = []
+    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
+                             [ScheduledSeq(1, 0, 4)]))
+    got.append(res.samples[0].prompt_logprobs)
+    for step, (c, n) in enumerate([(4, 1), (5, 5), (10, 1)], start=1):
+        res = r.execute(StepPlan(step, scheduled=[ScheduledSeq(1, c, n)]))
+        got.append(res.samples[0].prompt_logprobs)
+    r.execute(StepPlan(9, finished_seq_ids=[1]))
+    # positions computed per chunk: 0-3 (0 has none), 4, 5-9, 10
+    assert [len(g) for g in got] == [3, 1, 5, 1]
+    flat = [lp for g in got for lp in g]
+    assert [lp.token_id for lp in flat] == PROMPT[1:]
+    ref = torch.log_softmax(hf_logits(hf, PROMPT, 1)[:-1], -1)     # rows 0..9 -> positions 1..10
+    for pos, lp in enumerate(flat, start=1):
+        assert abs(lp.logprob - float(ref[pos - 1, PROMPT[pos]])) < 1e-4
+        assert [t for t, _ in lp.top] == ref[pos - 1].topk(2).indices.tolist()
+
+
+def test_n_samples_differ_by_sample_index_and_seeds_reproduce(tiny):
+    r, _ = tiny
+    params = SamplingParams(temperature=1.0, seed=11)
+
+    def run(indices, extra=()):
+        seqs = [NewSeq(i + 1, "r", PROMPT, len(PROMPT), [4 * i, 4 * i + 1, 4 * i + 2], params, ix)
+                for i, ix in enumerate(indices)]
+        seqs += [NewSeq(50 + j, "o", p, len(p), [40 + j], SamplingParams(temperature=1.0))
+                 for j, p in enumerate(extra)]
+        res = r.execute(StepPlan(0, seqs, [ScheduledSeq(s.seq_id, 0, len(s.token_ids))
+                                           for s in seqs]))
+        toks = {s.seq_id: s.token_id for s in res.samples}
+        r.execute(StepPlan(1, finished_seq_ids=list(toks)))
+        return [toks[i + 1] for i in range(len(indices))]
+
+    draws = run(range(8))
+    assert len(set(draws)) > 1, "sample_index must change the draw"
+    assert run([3]) == [draws[3]]                           # alone
+    assert run([3], extra=[[1, 2, 3], [9, 8]]) == [draws[3]]  # beside other requests
+
+
+def test_beam_width_returns_two_candidates_per_beam(tiny):
+    r, _ = tiny
+    params = SamplingParams(temperature=0.0, beam_width=4, logprobs=1)
+    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
+                             [ScheduledSeq(1, 0, len(PROMPT))]))
+    r.execute(StepPlan(1, finished_seq_ids=[1]))
+    s = res.samples[0]
+    assert len(s.top) == 8 and s.top[0][0] == s.token_id and abs(s.top[0][1] - s.logprob) < 1e-6
+
+
+def test_bad_plans_come_back_as_errors_and_the_runner_keeps_working(tiny):
+    r, _ = tiny
+    short = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0], GREEDY)],
+                               [ScheduledSeq(1, 0, len(PROMPT))]))
+    assert "1 blocks cannot hold 11 tokens" in short.error
+    outside = r.execute(StepPlan(1, [NewSeq(2, "r", PROMPT, len(PROMPT), [0, 1, 10_000], GREEDY)]))
+    assert "outside the pool" in outside.error
+    beyond = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 0, 99)]))
+    assert "not within its 11 tokens" in beyond.error
+    r.execute(StepPlan(3, finished_seq_ids=[1, 2]))
+    assert "Traceback" not in short.error + outside.error + beyond.error
+    assert len(_generate(r, 2)) == 2
+
+
+def test_step_result_survives_the_wire(tiny):
+    r, _ = tiny
+    params = SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1)
+    plan = StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
+                    [ScheduledSeq(1, 0, len(PROMPT))])
+    res = r.execute(decode(encode(plan)))
+    r.execute(StepPlan(1, finished_seq_ids=[1]))
+    assert decode(encode(res)) == res
+    assert res.forward_ms > 0 and len(res.samples[0].prompt_logprobs) == len(PROMPT) - 1
+
+
+def test_runner_matches_transformers_on_a_batch_of_mixed_work(tiny):
+    """Two seqs decode while a third prefills in the same step: each row's logits equal
+    transformers' logits for that seq alone."""
+    r, hf = tiny
+    a = teacher_forced_logits(r, PROMPT + [8, 8, 1], len(PROMPT), chunk=11)
+    assert (a - hf_logits(hf, PROMPT + [8, 8, 1], len(PROMPT))).abs().max() < 1e-4
+    r.keep_logits = True
+    p2 = [9, 9, 4, 120, 3]
+    r.execute(StepPlan(0, [NewSeq(1, "a", PROMPT, 11, [0, 1, 2], GREEDY),
+                           NewSeq(2, "b", p2, 5, [3, 4], GREEDY)],
+                       [ScheduledSeq(1, 0, 11), ScheduledSeq(2, 0, 5)]))
+    res = r.execute(StepPlan(1, [NewSeq(3, "c", PROMPT[:7], 7, [5, 6], GREEDY)],
+                             [ScheduledSeq(1, 11, 1, [8], block_append=[7]),
+                              ScheduledSeq(3, 0, 7), ScheduledSeq(2, 5, 1, [8])]))
+    assert [s.seq_id for s in res.samples] == [1, 3, 2]      # the plan's order
+    logits = r.last_logits
+    r.keep_logits = False
+    r.execute(StepPlan(2, finished_seq_ids=[1, 2, 3]))
+    assert (logits[1] - hf_logits(hf, PROMPT + [8], 12)[0]).abs().max() < 1e-4
+    assert (logits[2] - hf_logits(hf, p2 + [8], 6)[0]).abs().max() < 1e-4
+    assert (logits[3] - hf_logits(hf, PROMPT[:7], 7)[0]).abs().max() < 1e-4
+
+
+def test_torch_ops_path_matches_transformers_too(tiny_llama, monkeypatch):
+    """Without the C kernels (no compiler, or PAGEDSERVE_CPU_KERNELS=torch) the torch ops
+    path gives the same logits."""
+    from services.executor import cpu_kernels
+
+    folder, hf = tiny_llama
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    r = tiny_runner(folder)
+    assert not r.model.fused
+    tokens = PROMPT + [8, 8, 1, 77]
+    got = teacher_forced_logits(r, tokens, len(PROMPT), chunk=5)
+    assert (got - hf_logits(hf, tokens, len(PROMPT))).abs().max() < 1e-4
+
+
+def test_bf16_runner_stays_close_to_fp32(tiny_llama):
+    folder, hf = tiny_llama
+    r = tiny_runner(folder, dtype="bfloat16")
+    assert r.dtype == torch.bfloat16 and r.kv.gpu.dtype == torch.bfloat16
+    tokens = PROMPT + [8, 8, 1, 77]
+    got = teacher_forced_logits(r, tokens, len(PROMPT), chunk=5)
+    ref = hf_logits(hf, tokens, len(PROMPT))
+    # bf16 keeps ~3 significant digits: close to fp32, but clearly not identical
+    scale = ref.abs().max()
+    assert 0 < (got - ref).abs().max() < 0.05 * scale
