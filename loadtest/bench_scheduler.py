@@ -10,7 +10,8 @@ choosing the batch, block growth, the plan's diffs, applying sampled tokens, the
 Each size is measured --repeats times in fresh schedulers; the best of the per-run medians is
 reported, so that other processes on a shared machine inflate the figure as little as possible.
 Python's garbage collector runs as it would in the service (default thresholds); --gc-freeze
-moves the set-up objects out of its reach first, as a service can do after start-up.
+applies the scheduler service's own GC settings (start-up objects frozen out of the
+collector, a higher young-generation threshold).
 """
 from __future__ import annotations
 
@@ -60,8 +61,12 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         sched.update(plan, StepResult(plan.step_id, [
             SeqSample(s.seq_id, 7, -0.5) for s in plan.scheduled]))
     gc.collect()
+    old_threshold = gc.get_threshold()
     if gc_freeze:
+        # as the scheduler service does after start-up
+        from services.scheduler.service import GC_THRESHOLD
         gc.freeze()
+        gc.set_threshold(*GC_THRESHOLD)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -75,6 +80,7 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         times.append((t1 - t0) + (t3 - t2))
     if gc_freeze:
         gc.unfreeze()
+        gc.set_threshold(*old_threshold)
     return {"median_ms": statistics.median(times) * 1e3,
             "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
             "per_seq_us": statistics.median(times) * 1e6 / num_seqs}

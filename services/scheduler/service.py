@@ -38,6 +38,9 @@ from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("pagedserve.scheduler")
 
+# Young-generation GC threshold of the running service (see serve()); benchmarks reuse it.
+GC_THRESHOLD = (20_000, 50, 100)
+
 
 @dataclass(slots=True)
 class SchedulerServiceConfig:
@@ -138,7 +141,7 @@ class SchedulerService:
         # is frozen out of the collector and young collections run less often.
         gc.collect()
         gc.freeze()
-        gc.set_threshold(20_000, 50, 100)
+        gc.set_threshold(*GC_THRESHOLD)
         self._ensure_group()
         self._reclaim_pending(include_self=True)
         self._beat(force=True)
