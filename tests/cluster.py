@@ -12,7 +12,7 @@ import redis
 
 from shared.control import ExecutorClient
 from shared.redis_keys import RedisKeys
-from tests.conftest import REPO, free_port, stop_process
+from tests.conftest import REPO, free_port, metric_value, stop_process
 
 
 def _free_pair() -> int:
@@ -117,12 +117,4 @@ class Cluster:
             return e.code, e.read().decode()
 
     def metric(self, name: str) -> float:
-        status, text = self.get("/metrics")
-        total, found = 0.0, False
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        if not found:
-            raise KeyError(name)
-        return total
+        return metric_value(self.get("/metrics")[1], name)

@@ -79,6 +79,18 @@ def redis_server():
     shutil.rmtree(server.dir, ignore_errors=True)
 
 
+def metric_value(exposition: str, name: str) -> float:
+    """The summed value of one metric family (all label sets) in Prometheus text."""
+    total, found = 0.0, False
+    for line in exposition.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
 @dataclass
 class Stack:
     base_url: str
@@ -92,15 +104,7 @@ class Stack:
             return r.read().decode()
 
     def metric(self, name: str) -> float:
-        """The summed value of one metric family (all label sets) from /metrics."""
-        total, found = 0.0, False
-        for line in self.metrics().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        if not found:
-            raise KeyError(name)
-        return total
+        return metric_value(self.metrics(), name)
 
 
 def start_stack(redis_url: str, *extra: str, api_key: str | None = None,
