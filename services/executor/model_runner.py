@@ -120,6 +120,8 @@ class ModelRunner:
             self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
             self._add_seq(ns)
+        if len({s.seq_id for s in plan.scheduled}) != len(plan.scheduled):
+            raise PlanError("a seq is scheduled twice in one step")
         for s in plan.scheduled:
             self._apply_diff(s)
         self.kv.swap_out(plan.swap_out)

@@ -171,6 +171,8 @@ def test_bad_plans_come_back_as_errors_and_the_runner_keeps_working(tiny):
     assert "outside the pool" in outside.error
     beyond = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 0, 99)]))
     assert "not within its 11 tokens" in beyond.error
+    twice = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 0, 3), ScheduledSeq(1, 3, 3)]))
+    assert "scheduled twice" in twice.error
     r.execute(StepPlan(3, finished_seq_ids=[1, 2]))
     assert "Traceback" not in short.error + outside.error + beyond.error
     assert len(_generate(r, 2)) == 2
@@ -234,3 +236,26 @@ def test_bf16_runner_stays_close_to_fp32(tiny_llama):
     # bf16 keeps ~3 significant digits: close to fp32, but clearly not identical
     scale = ref.abs().max()
     assert 0 < (got - ref).abs().max() < 0.05 * scale
+
+
+def test_config_errors_say_what_to_pass(monkeypatch):
+    from services.executor.config import ExecutorConfig, ExecutorConfigError
+
+    with pytest.raises(ExecutorConfigError, match="dtype 'fp8'.*float32"):
+        ExecutorConfig(dtype="fp8").validate()
+    with pytest.raises(ExecutorConfigError, match="block_size must be a power of two"):
+        ExecutorConfig(block_size=12).validate()
+    monkeypatch.setenv("PAGEDSERVE_KV_CACHE_GIB", "3.5")
+    monkeypatch.setenv("PAGEDSERVE_MAX_MODEL_LEN", "512")
+    cfg = ExecutorConfig.from_env()
+    assert cfg.kv_cache_gib == 3.5 and cfg.max_model_len == 512
+    monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "big")
+    with pytest.raises(ExecutorConfigError, match="PAGEDSERVE_BLOCK_SIZE='big'"):
+        ExecutorConfig.from_env()
+
+
+def test_cpu_refuses_float16_with_a_hint(tiny_llama):
+    from services.executor.config import ExecutorConfigError
+
+    with pytest.raises(ExecutorConfigError, match="float16 is not supported on the CPU"):
+        tiny_runner(tiny_llama[0], dtype="float16")
