@@ -158,10 +158,13 @@ class StreamFollower:
                 if key == self.wake_key:
                     self.wake_cursor = entries[-1][0].decode()
                     continue
-                self._deliver(self.subs.get(key, ()), entries)
+                self._deliver(self.subs.get(key, ()), entries, streams.get(key))
 
     @staticmethod
-    def _deliver(subs: list[Subscription], entries) -> None:
+    def _deliver(subs: list[Subscription], entries, read_from: str | None) -> None:
+        """Hand entries to the subscribers they continue. NOTE: a subscriber that joined
+        while this read was in flight, behind the cursor the read started from, would see
+        a gap: it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, fields in entries:
             entry_id, data = raw_id.decode(), fields.get(MSG_FIELD)
@@ -172,8 +175,11 @@ class StreamFollower:
                 except WireError as exc:
                     log.warning("skipping undecodable output entry %s: %s", entry_id, exc)
             decoded.append((entry_id, stream_id(entry_id), out))
+        start = stream_id(read_from) if read_from is not None else None
         for s in subs:
             after = stream_id(s.cursor)
+            if start is None or after < start:
+                continue
             fresh = [(e, out) for e, sid, out in decoded if sid > after]
             if fresh:
                 s.cursor = fresh[-1][0]
