@@ -28,6 +28,13 @@ class ExecutorConfig:
     seed: int = 0                      # RNG of unseeded requests
     num_threads: int = 0               # CPU intra-op threads; 0 = one per core
     num_gpu_blocks: int | None = None  # override the sized KV pool (tests, capacity experiments)
+    # Tensor parallelism: this process is rank `rank` of `tensor_parallel_size`, joining the
+    # others through a torch.distributed rendezvous at dist_host:dist_port.
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    dist_host: str = "127.0.0.1"
+    dist_port: int = 29500
+    dist_timeout_s: float = 600.0      # a collective waiting longer than this fails the rank
 
     def validate(self) -> None:
         """Raise ExecutorConfigError naming the first bad setting."""
@@ -46,6 +53,12 @@ class ExecutorConfig:
                 raise ExecutorConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < 1:
             raise ExecutorConfigError("max_num_batched_tokens must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ExecutorConfigError("tensor_parallel_size must be >= 1, got "
+                                      f"{self.tensor_parallel_size}")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ExecutorConfigError(f"rank must be in [0, {self.tensor_parallel_size}), "
+                                      f"got {self.rank}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ExecutorConfigError("max_model_len must be >= 1 (or None for the model's own)")
 

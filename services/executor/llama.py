@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from services.executor import cpu_kernels
 from services.executor.attention import AttentionMetadata, paged_attention, write_kv
+from services.executor.parallel import ProcessGroup
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 
@@ -160,7 +161,9 @@ class LlamaModel:
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
                  max_model_len: int) -> None:
-        self.args = args
+        self.args = args                # this rank's slice (see parallel.py); == full_args at TP=1
+        self.full_args = args
+        self.group: ProcessGroup | None = None   # tensor-parallel ranks; None: one process
         self.dtype = dtype
         self.device = device
         self.embed: torch.Tensor | None = None      # [V, H]
@@ -204,10 +207,15 @@ class LlamaModel:
             k = qkv[:, nq * d:(nq + nkv) * d].view(t, nkv, d)
             v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            x = self._add_norm(residual, layer.o(o.view(t, nq * d)), layer.post_norm)
-            h = layer.down(self._silu_and_mul(layer.gate_up(x)))
+            x = self._add_norm(residual, self._reduce(layer.o(o.view(t, nq * d))),
+                               layer.post_norm)
+            h = self._reduce(layer.down(self._silu_and_mul(layer.gate_up(x))))
         residual.add_(h)
         return residual
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: sum each rank's partial [T, H] projection output."""
+        return partial if self.group is None else self.group.all_reduce(partial)
 
     # Each step below has a fused C version (CPU, fp32) and the torch ops it replaces.
 
@@ -246,8 +254,9 @@ class LlamaModel:
         return self.lm_head(x).float()
 
     def linears(self) -> list[Linear]:
+        head = [self.lm_head] if self.lm_head.weight is not None else []   # rank 0 only at TP>1
         return [lin for layer in self.layers
-                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + head
 
     def pack_for_cpu(self) -> bool:
         """Pack every projection once into the GEMM library's own layout, instead of letting

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from services.executor.llama import LlamaArgs, LlamaModel
+from services.executor.parallel import Shard
 from shared.model_source import ModelSource, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -78,22 +80,35 @@ def read_args(folder: Path) -> LlamaArgs:
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
-               progress: bool = True) -> LlamaModel:
-    """Build a LlamaModel from folder's config.json and *.safetensors (q/k/v and gate/up fused)."""
-    args = read_args(folder)
+               progress: bool = True, shard: Shard = Shard()) -> LlamaModel:
+    """Build a LlamaModel from folder's config.json and *.safetensors (q/k/v and gate/up fused).
+
+    With tensor parallelism (`shard.size` > 1) only this rank's heads and MLP rows are read
+    (see services/executor/parallel.py); the model's args then describe the local slice.
+    """
+    full = read_args(folder)
+    shard.check(full.num_heads, full.num_kv_heads)
+    q0, q1 = shard.heads(full.num_heads)
+    k0, k1 = shard.heads(full.num_kv_heads)
+    i0, i1 = shard.span(full.intermediate_size)
+    args = replace(full, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0)
     model = LlamaModel(args, dtype, device, max_model_len)
+    model.full_args = full
     h, d, i = args.hidden_size, args.head_dim, args.intermediate_size
     nq, nkv = args.num_heads * d, args.num_kv_heads * d
+    lead = shard.rank == 0            # adds the biases that follow an all-reduce
     new = lambda *shape: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
-    # Where each checkpoint tensor goes: (target tensor, first row) for the fused ones.
-    targets: dict[str, tuple[torch.Tensor, int]] = {}
+    q_rows, kv_rows = (q0 * d, q1 * d), (k0 * d, k1 * d)
+    # Where each checkpoint tensor goes: (target, first row, rows to read, columns to read);
+    # q/k/v and gate/up land in one fused tensor each.
+    targets: dict[str, tuple[torch.Tensor, int, tuple | None, tuple | None]] = {}
     model.embed = new(args.vocab_size, h)
-    targets["model.embed_tokens.weight"] = (model.embed, 0)
+    targets["model.embed_tokens.weight"] = (model.embed, 0, None, None)
     model.norm = new(h)
-    targets["model.norm.weight"] = (model.norm, 0)
-    if not args.tie_word_embeddings:
+    targets["model.norm.weight"] = (model.norm, 0, None, None)
+    if not args.tie_word_embeddings and lead:
         model.lm_head.weight = new(args.vocab_size, h)
-        targets["lm_head.weight"] = (model.lm_head.weight, 0)
+        targets["lm_head.weight"] = (model.lm_head.weight, 0, None, None)
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
         layer.input_norm, layer.post_norm = new(h), new(h)
@@ -101,28 +116,30 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model
         gate_up, down = layer.gate_up, layer.down
         qkv.weight, o.weight = new(nq + 2 * nkv, h), new(h, nq)
         gate_up.weight, down.weight = new(2 * i, h), new(h, i)
-        targets |= {p + "input_layernorm.weight": (layer.input_norm, 0),
-                    p + "post_attention_layernorm.weight": (layer.post_norm, 0),
-                    p + "self_attn.q_proj.weight": (qkv.weight, 0),
-                    p + "self_attn.k_proj.weight": (qkv.weight, nq),
-                    p + "self_attn.v_proj.weight": (qkv.weight, nq + nkv),
-                    p + "self_attn.o_proj.weight": (o.weight, 0),
-                    p + "mlp.gate_proj.weight": (gate_up.weight, 0),
-                    p + "mlp.up_proj.weight": (gate_up.weight, i),
-                    p + "mlp.down_proj.weight": (down.weight, 0)}
+        targets |= {p + "input_layernorm.weight": (layer.input_norm, 0, None, None),
+                    p + "post_attention_layernorm.weight": (layer.post_norm, 0, None, None),
+                    p + "self_attn.q_proj.weight": (qkv.weight, 0, q_rows, None),
+                    p + "self_attn.k_proj.weight": (qkv.weight, nq, kv_rows, None),
+                    p + "self_attn.v_proj.weight": (qkv.weight, nq + nkv, kv_rows, None),
+                    p + "self_attn.o_proj.weight": (o.weight, 0, None, q_rows),
+                    p + "mlp.gate_proj.weight": (gate_up.weight, 0, (i0, i1), None),
+                    p + "mlp.up_proj.weight": (gate_up.weight, i, (i0, i1), None),
+                    p + "mlp.down_proj.weight": (down.weight, 0, None, (i0, i1))}
         if args.qkv_bias:
             qkv.bias = new(nq + 2 * nkv)
-            targets |= {p + "self_attn.q_proj.bias": (qkv.bias, 0),
-                        p + "self_attn.k_proj.bias": (qkv.bias, nq),
-                        p + "self_attn.v_proj.bias": (qkv.bias, nq + nkv)}
-        if args.o_bias:
+            targets |= {p + "self_attn.q_proj.bias": (qkv.bias, 0, q_rows, None),
+                        p + "self_attn.k_proj.bias": (qkv.bias, nq, kv_rows, None),
+                        p + "self_attn.v_proj.bias": (qkv.bias, nq + nkv, kv_rows, None)}
+        if args.o_bias and lead:
             o.bias = new(h)
-            targets[p + "self_attn.o_proj.bias"] = (o.bias, 0)
+            targets[p + "self_attn.o_proj.bias"] = (o.bias, 0, None, None)
         if args.mlp_bias:
-            gate_up.bias, down.bias = new(2 * i), new(h)
-            targets |= {p + "mlp.gate_proj.bias": (gate_up.bias, 0),
-                        p + "mlp.up_proj.bias": (gate_up.bias, i),
-                        p + "mlp.down_proj.bias": (down.bias, 0)}
+            gate_up.bias = new(2 * i)
+            targets |= {p + "mlp.gate_proj.bias": (gate_up.bias, 0, (i0, i1), None),
+                        p + "mlp.up_proj.bias": (gate_up.bias, i, (i0, i1), None)}
+            if lead:
+                down.bias = new(h)
+                targets[p + "mlp.down_proj.bias"] = (down.bias, 0, None, None)
     missing = set(targets)
     files = sorted(folder.glob("*.safetensors"))
     bar = tqdm(total=len(targets), desc=f"loading {folder.name}", unit="tensor",
@@ -132,8 +149,14 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model
             for name in st.keys():
                 if name not in targets:
                     continue    # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
-                dst, row = targets[name]
-                src = st.get_tensor(name)
+                dst, row, rows, cols = targets[name]
+                part = st.get_slice(name)
+                if rows is not None:
+                    src = part[rows[0]:rows[1]]
+                elif cols is not None:
+                    src = part[:, cols[0]:cols[1]]
+                else:
+                    src = part[:]
                 dst[row:row + src.shape[0]].copy_(src)
                 missing.discard(name)
                 bar.update(1)

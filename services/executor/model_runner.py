@@ -15,6 +15,7 @@ with a clear StepResult.error instead of corrupting memory.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from services.executor.attention import AttentionMetadata
 from services.executor.config import ExecutorConfig, ExecutorConfigError
 from services.executor.kv_cache import GIB, KVCache, block_bytes, blocks_in, gpu_kv_budget_bytes
 from services.executor.model_loader import ensure_hf_folder, load_model, read_args
+from services.executor.parallel import ProcessGroup, Shard
 from services.executor.sampler import Sampler, SampleRow
 from shared.messages import (NewSeq, SamplingParams, ScheduledSeq, SeqSample, StepPlan,
                              StepResult, TokenLogprob)
@@ -58,14 +60,22 @@ class ModelRunner:
     def __init__(self, config: ExecutorConfig) -> None:
         config.validate()
         self.config = config
-        self.device = _resolve_device(config.device)
-        if self.device.type == "cpu" and config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
+        tp = config.tensor_parallel_size
+        self.device = _resolve_device(config.device, config.rank)
+        threads = config.num_threads
+        if self.device.type == "cpu" and threads == 0 and tp > 1:
+            threads = max(1, (os.cpu_count() or 1) // tp)   # the ranks share the cores
+        if self.device.type == "cpu" and threads > 0:
+            torch.set_num_threads(threads)
+        shard = Shard(config.rank, tp)
+        self.is_driver = config.rank == 0   # samples and replies; the other ranks only compute
+        self.broken = False                 # TP: the group lost step; the process must restart
         source = resolve_model(config.model)
         self.model_name = source.served_name
         folder = ensure_hf_folder(source)
         self.model_dir = folder                       # config.json + safetensors (+ tokenizer)
         args = read_args(folder)
+        shard.check(args.num_heads, args.num_kv_heads)      # refuse a bad split up front
         self.dtype = _resolve_dtype(config.dtype, self.device)
         limit = args.max_position_embeddings
         if args.sliding_window:
@@ -77,28 +87,35 @@ class ModelRunner:
                                       f"{self.model_name} supports ({limit}): pass at most {limit}")
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
-        self.model = load_model(folder, self.dtype, self.device, self.max_model_len)
+        # Joins the other ranks (blocks until all are there); a no-op at TP=1.
+        self.group = ProcessGroup.connect(shard, self.device, config.dist_host, config.dist_port,
+                                          config.dist_timeout_s)
+        self.model = load_model(folder, self.dtype, self.device, self.max_model_len,
+                                shard=shard)
+        if tp > 1:
+            self.model.group = self.group
         self.packed_weights = self.model.pack_for_cpu()   # CPU fp32: MKL packed GEMM
-        self.args = self.model.args
+        self.args = self.model.args                       # this rank's slice of the heads
         self.eos_token_id = args.eos_token_ids[0] if args.eos_token_ids else None
-        one = block_bytes(args.num_layers, self.block_size, args.num_kv_heads, args.head_dim,
-                          self.dtype)
-        self.num_gpu_blocks = config.num_gpu_blocks or self._size_pool(one)
-        self.num_cpu_blocks = blocks_in(config.swap_space_gib * GIB, one)
+        one = block_bytes(self.args.num_layers, self.block_size, self.args.num_kv_heads,
+                          self.args.head_dim, self.dtype)
+        # One block id must mean the same block on every rank: the smallest pool wins.
+        self.num_gpu_blocks = self.group.min_int(config.num_gpu_blocks or self._size_pool(one))
+        self.num_cpu_blocks = self.group.min_int(blocks_in(config.swap_space_gib * GIB, one))
         if self.num_gpu_blocks < 1:
             raise ExecutorConfigError(
                 f"no memory left for the KV cache after loading {self.model_name}: raise "
                 "kv_cache_gib (CPU) or gpu_memory_utilization (GPU), or use a smaller model")
-        self.kv = KVCache(args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
-                          self.block_size, args.num_kv_heads, args.head_dim, self.dtype,
-                          self.device)
+        self.kv = KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
+                          self.block_size, self.args.num_kv_heads, self.args.head_dim,
+                          self.dtype, self.device)
         self.sampler = Sampler(config.seed)
         self.seqs: dict[int, SeqState] = {}
         self.keep_logits = False                      # tests: keep each sampling row's logits
         self.last_logits: dict[int, torch.Tensor] = {}
-        log.info("executor ready: %s %s on %s, %d KV blocks (+%d swap) of %d tokens",
-                 self.model_name, self.dtype, self.device, self.num_gpu_blocks,
-                 self.num_cpu_blocks, self.block_size)
+        log.info("executor rank %d/%d ready: %s %s on %s, %d KV blocks (+%d swap) of %d "
+                 "tokens", config.rank, tp, self.model_name, self.dtype, self.device,
+                 self.num_gpu_blocks, self.num_cpu_blocks, self.block_size)
 
     # ------------------------------------------------------------------ the step
 
@@ -111,6 +128,10 @@ class ModelRunner:
         except Exception as exc:  # one bad plan must not take the executor down
             log.exception("step %s failed", plan.step_id)
             kind = "invalid plan" if isinstance(exc, PlanError) else type(exc).__name__
+            if self.group.size > 1 and not isinstance(exc, PlanError):
+                # Every rank checks a plan the same way, but a failure past the checks (a
+                # lost peer, out of memory on one rank) leaves the ranks out of step.
+                self.broken = True
             return StepResult(plan.step_id, error=f"executor step {plan.step_id} failed "
                               f"({kind}): {exc}")
         return StepResult(plan.step_id, samples, forward_ms=(time.perf_counter() - t0) * 1e3)
@@ -178,6 +199,8 @@ class ModelRunner:
                                        self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
+        if not self.is_driver:
+            return [SeqSample(s.seq_id, -1) for s in scheduled]
 
         # Which rows get logits: sampling rows first, then prompt-logprob rows.
         sample_rows: list[int] = []
@@ -280,12 +303,15 @@ class ModelRunner:
         return gpu_kv_budget_bytes(self.device, self.config.gpu_memory_utilization)
 
 
-def _resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank`: GPU `rank` (modulo the visible ones)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ExecutorConfigError("device 'cuda' requested but no CUDA GPU is visible: "
                                   "pass device='cpu' or 'auto'")
+    if name == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(name)
 
 

@@ -3,10 +3,16 @@
     scheduler ──PUSH StepPlan──▶ [PULL  tcp://host:zmq_port+1+rank]  every rank
     scheduler ◀─PULL StepResult─ [PUSH  tcp://host:zmq_port]          rank 0 only
     scheduler ──gRPC Describe / Health / Reset / Shutdown──▶ [grpc_port] rank 0
+    rank 0 ────gRPC Health / Reset / Shutdown──▶ [grpc_port+rank]     ranks 1..N-1
 
 The executor binds and the scheduler connects, so a restarted scheduler finds the executor
 where it was. Plans are executed strictly one at a time, in arrival order. The executor
 decides no policy: it does what the plan says.
+
+With tensor parallelism the ranks of one executor run on one host. Rank 0 speaks for the
+group on the control plane: its Health is ok only while every rank answers, and Reset and
+Shutdown reach every rank. A rank whose collective fails exits (status 1): the group can
+only be restarted as a whole.
 """
 from __future__ import annotations
 
@@ -36,8 +42,14 @@ class ExecutorServiceConfig:
     advertise_host: str | None = None   # host the scheduler should dial (default: bind_host)
     grpc_port: int = 50051
     zmq_port: int = 5559                # results (rank 0); plans on zmq_port + 1 + rank
-    rank: int = 0
-    tensor_parallel_size: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.runner.rank
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.runner.tensor_parallel_size
 
     def endpoint(self, port: int) -> str:
         host = self.advertise_host or self.bind_host
@@ -55,7 +67,9 @@ class _Control(pb_grpc.ExecutorControlServicer):
 
     def Health(self, request, context):
         s = self.server
-        return pb.HealthReply(ok=True, status="ok", steps=s.steps,
+        lost = s.lost_peers()
+        status = f"rank(s) {', '.join(map(str, lost))} not answering" if lost else "ok"
+        return pb.HealthReply(ok=not lost, status=status, steps=s.steps,
                               uptime_s=time.time() - s.started_at, live_seqs=s.live_seqs())
 
     def Reset(self, request, context):
@@ -79,6 +93,14 @@ class ExecutorServer:
         self._stop = threading.Event()
         self._zmq = zmq.Context.instance()
         self._grpc: grpc.Server | None = None
+        self.exit_code = 0
+        # Rank 0 reaches the other ranks' control servers (on this host).
+        self.peers = []
+        if config.rank == 0:
+            from shared.control import ExecutorClient
+            host = config.endpoint(0).removeprefix("tcp://").rsplit(":", 1)[0]
+            self.peers = [ExecutorClient(f"{host}:{config.grpc_port + r}")
+                          for r in range(1, config.tensor_parallel_size)]
 
     # ------------------------------------------------------------ control plane
     def describe(self) -> pb.ExecutorInfo:
@@ -95,16 +117,28 @@ class ExecutorServer:
     def live_seqs(self) -> int:
         return len(self.runner.seqs)
 
+    def lost_peers(self) -> list[int]:
+        """Ranks (other than this one) that do not answer Health, or this rank if broken."""
+        lost = [0] if self.runner.broken else []
+        return lost + [r for r, peer in enumerate(self.peers, 1) if not peer.is_alive(0.5)]
+
     def reset(self) -> int:
-        """Drop every sequence's state (block tables included); the pool contents are
-        simply overwritten later, so nothing needs clearing."""
+        """Drop every sequence's state (block tables included) on every rank; the pool
+        contents are simply overwritten later, so nothing needs clearing."""
         with self._lock:
             dropped = len(self.runner.seqs)
             self.runner.seqs.clear()
-            return dropped
+        for peer in self.peers:
+            peer.reset()
+        return dropped
 
     def stop(self) -> None:
         self._stop.set()
+        for peer in self.peers:
+            try:
+                peer.shutdown(timeout=1.0)
+            except grpc.RpcError:
+                pass   # already gone
 
     # ------------------------------------------------------------ data plane
     def serve(self) -> None:
@@ -117,10 +151,10 @@ class ExecutorServer:
             results = self._zmq.socket(zmq.PUSH)
             results.setsockopt(zmq.LINGER, 0)
             results.bind(f"tcp://{c.bind_host}:{c.zmq_port}")
-            self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-            pb_grpc.add_ExecutorControlServicer_to_server(_Control(self), self._grpc)
-            self._grpc.add_insecure_port(f"{c.bind_host}:{c.grpc_port}")
-            self._grpc.start()
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_ExecutorControlServicer_to_server(_Control(self), self._grpc)
+        self._grpc.add_insecure_port(f"{c.bind_host}:{c.grpc_port + c.rank}")
+        self._grpc.start()
         log.info("executor rank %d ready: %s, %d GPU blocks, %d CPU blocks", c.rank,
                  self.runner.model_name, self.runner.num_gpu_blocks, self.runner.num_cpu_blocks)
         poller = zmq.Poller()
@@ -132,6 +166,11 @@ class ExecutorServer:
                 reply = self._execute(plans.recv())
                 if results is not None and reply is not None:
                     results.send(reply)
+                if self.runner.broken:
+                    log.critical("tensor-parallel step failed on rank %d; the executor group "
+                                 "is out of step and must be restarted", c.rank)
+                    self.exit_code = 1
+                    self.stop()
         finally:
             plans.close()
             if results is not None:
@@ -155,8 +194,10 @@ class ExecutorServer:
         return encode(result)
 
 
-def run(config: ExecutorServiceConfig) -> None:
+def run(config: ExecutorServiceConfig) -> int:
     server = ExecutorServer(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.stop())
+        signal.signal(sig, lambda *_: server._stop.set())
     server.serve()
+    server.runner.group.close()
+    return server.exit_code
