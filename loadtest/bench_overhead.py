@@ -84,8 +84,8 @@ def run_stack(prompts, out_tokens, args) -> dict:
         "--kv-cache-gib", str(args.kv_gib), "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning",
         "--max-queue", "100000"])
-    stack = Stack(sargs)
-    try:
+    # the with block stops the stack on leaving, also on SIGTERM / SIGINT
+    with Stack(sargs) as stack:
         url = stack.start()
 
         async def go():
@@ -97,8 +97,6 @@ def run_stack(prompts, out_tokens, args) -> dict:
                 return res, time.perf_counter() - t0
 
         res, wall = asyncio.run(go())
-    finally:
-        stack.stop()
     # A streamed chunk can carry several tokens; per-token time is measured per request
     # from the first to the last token it received.
     ttft = [f for f, _, _ in res]

@@ -118,9 +118,9 @@ def run_stack(mode: str, requests, rates, args) -> dict:
              "--max-queue", "100000", "--log-level", "warning", "--no-prefix-caching"]
     if mode == "contiguous":
         flags.append("--contiguous")
-    stack = Stack(build_parser().parse_args(flags))
     out = {}
-    try:
+    # the with block stops the stack on leaving, also on SIGTERM / SIGINT
+    with Stack(build_parser().parse_args(flags)) as stack:
         url = stack.start()
         for rate in rates:
             arrivals = _arrivals(len(requests), rate, args.seed)
@@ -143,8 +143,6 @@ def run_stack(mode: str, requests, rates, args) -> dict:
             out[rate] = _summarise(results, wall, args)
             out[rate]["trace"] = trace
             print(f"  {mode:10} rate {rate:6.2f}/s: {out[rate]['summary']}", file=sys.stderr)
-    finally:
-        stack.stop()
     return out
 
 

@@ -1,0 +1,57 @@
+"""The launcher's command line: environment variables, and their errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.launcher import build_parser
+from tests.conftest import REPO
+
+
+def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.launcher", *argv], cwd=REPO,
+                          env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("var, value, kind, argv", [
+    ("PAGEDSERVE_PORT", "abc", "an integer", ["serve"]),
+    ("PAGEDSERVE_PORT", "80.5", "an integer", ["gateway"]),
+    ("PAGEDSERVE_KV_CACHE_GIB", "lots", "a number", ["executor"]),
+    ("PAGEDSERVE_MAX_NUM_SEQS", "many", "an integer", ["scheduler"]),
+])
+def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kind, argv):
+    done = launch(*argv, **{var: value})
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"{var}={value!r}" in lines[0] and f"is not {kind}" in lines[0]
+    assert lines[0].startswith(f"pagedserve {argv[0]}: error: ")
+
+
+def test_a_flag_wins_over_a_malformed_env_value(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_PORT", "abc")
+    assert build_parser().parse_args(["gateway", "--port", "8123"]).port == 8123
+
+
+def test_a_malformed_env_value_only_stops_the_commands_that_read_it(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_PORT", "abc")          # the gateway's port
+    assert build_parser().parse_args(["executor"]).grpc_port == 50051
+
+
+def test_well_formed_env_values_arrive_typed(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_PORT", "8123")
+    monkeypatch.setenv("PAGEDSERVE_KV_CACHE_GIB", "0.5")
+    args = build_parser().parse_args(["serve"])
+    assert args.port == 8123 and type(args.port) is int
+    assert args.kv_cache_gib == 0.5 and type(args.kv_cache_gib) is float
+
+
+def test_a_malformed_flag_keeps_argparse_own_message():
+    done = launch("gateway", "--port", "x")
+    assert done.returncode == 2
+    assert "argument --port: invalid int value: 'x'" in done.stderr
