@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -70,6 +71,14 @@ _EXECUTOR = [
     ("--num-gpu-blocks", "PAGEDSERVE_NUM_GPU_BLOCKS", None, int,
      "fix the KV pool size in blocks (overrides the memory-based sizing)"),
     ("--seed", "PAGEDSERVE_SEED", 0, int, "default sampling seed"),
+    ("--num-threads", "PAGEDSERVE_NUM_THREADS", 0, int,
+     "CPU threads per executor rank (0: the cores shared out over the ranks)"),
+    ("--tensor-parallel-size", "PAGEDSERVE_TENSOR_PARALLEL_SIZE", 1, int,
+     "executor ranks that split the model (tensor parallelism, one host)"),
+    ("--rank", "PAGEDSERVE_RANK", None, int,
+     "run only this tensor-parallel rank (unset: rank 0, which starts the others)"),
+    ("--dist-port", "PAGEDSERVE_DIST_PORT", 29500, int,
+     "torch.distributed rendezvous port of the executor ranks"),
 ]
 _SERVE = [
     ("--startup-timeout", "PAGEDSERVE_STARTUP_TIMEOUT", 900.0, float, "seconds to wait for each service"),
@@ -92,9 +101,43 @@ def _add(parser: argparse.ArgumentParser, table) -> None:
             parser.add_argument(flag, action="store_true", default=on or default,
                                 help=f"{help_} [env {env}]")
             continue
-        value = typ(raw) if raw not in (None, "") else default
-        parser.add_argument(flag, type=typ, default=value,
+        value = _EnvValue(raw, env) if raw not in (None, "") else default
+        parser.add_argument(flag, type=_from_env_or_flag(typ, parser.prog), default=value,
                             help=f"{help_} [env {env}, default {default}]")
+
+
+class _EnvValue(str):
+    """A default read from an environment variable, still a string. argparse converts a
+    string default with the flag's type only when the flag is absent, so a flag still wins
+    over a malformed variable, and only the command that uses the variable reads it."""
+
+    def __new__(cls, raw: str, var: str) -> "_EnvValue":
+        value = super().__new__(cls, raw)
+        value.var = var
+        return value
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def _from_env_or_flag(typ, prog: str):
+    """typ as an argparse type. A malformed flag gets argparse's own error; a malformed
+    environment variable gets one line naming it, and exit status 2 as argparse uses."""
+    if typ is str:
+        return str
+
+    def convert(raw: str):
+        try:
+            return typ(raw)
+        except ValueError:
+            if not isinstance(raw, _EnvValue):
+                raise
+            print(f"{prog}: error: environment variable {raw.var}={str(raw)!r} is not "
+                  f"{_TYPE_NAMES.get(typ, typ.__name__)}: fix or unset it", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    convert.__name__ = typ.__name__     # argparse names the type in its own messages
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"run the {name}" if name != "serve" else "run the whole stack")
         for t in tables:
             _add(p, t)
-        if name == "serve":
-            p.add_argument("--tensor-parallel-size", type=int, default=1,
-                           help="executor ranks (tensor parallelism)")
     hc = sub.add_parser("healthcheck", help="exit 0 when a service is healthy")
     hc.add_argument("service", choices=["gateway", "scheduler", "executor"])
     for t in (_COMMON, _GATEWAY, _SCHEDULER[:2], _EXECUTOR[:4]):
@@ -128,7 +168,8 @@ def executor_config(args):
     from services.executor.config import ExecutorConfig
     from services.executor.service import ExecutorServiceConfig
 
-    runner = _fill(ExecutorConfig, args, max_num_batched_tokens=args.max_num_batched_tokens)
+    runner = _fill(ExecutorConfig, args, max_num_batched_tokens=args.max_num_batched_tokens,
+                   dist_host=args.advertise_host or args.bind_host, rank=args.rank or 0)
     return _fill(ExecutorServiceConfig, args, runner=runner)
 
 
@@ -157,8 +198,25 @@ def _run_service(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "executor":
+        from services.executor.config import ExecutorConfigError
         from services.executor.service import run
-        run(executor_config(args))
+        ranks = []
+        if args.rank is None and args.tensor_parallel_size > 1:
+            ranks = _start_ranks(args)
+        try:
+            return run(executor_config(args), ranks)
+        except ExecutorConfigError as exc:   # a setting the user can fix: no traceback
+            print(f"pagedserve executor: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            for proc in ranks:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in ranks:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     elif args.command == "scheduler":
         from services.scheduler.service import run
         run(scheduler_config(args))
@@ -168,8 +226,26 @@ def _run_service(args) -> int:
         from services.gateway.app import create_app
         cfg = gateway_config(args)
         uvicorn.run(create_app(cfg), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), access_log=False)
+                    log_level=args.log_level.lower(), access_log=False,
+                    timeout_graceful_shutdown=5)   # open streams must not hold up a stop
     return 0
+
+
+def _start_ranks(args) -> list[subprocess.Popen]:
+    """Tensor parallelism: start ranks 1..N-1 of this executor as child processes, each
+    with this process's flags and its own --rank. They die with this process (Linux:
+    PR_SET_PDEATHSIG), so the group lives and dies as one executor."""
+    argv = [sys.executable, "-m", "services.launcher", "executor"] + _flags_for(args)["executor"]
+
+    def die_with_parent():
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+    env = dict(os.environ)
+    if args.redis_url:
+        env["REDIS_URL"] = args.redis_url
+    return [subprocess.Popen(argv + ["--rank", str(r)], env=env, preexec_fn=die_with_parent)
+            for r in range(1, args.tensor_parallel_size)]
 
 
 def _healthcheck(args) -> int:
@@ -247,9 +323,11 @@ class Stack:
         grpc_addr = f"127.0.0.1:{a.grpc_port}"
         a.executor = grpc_addr
         flags = _flags_for(a)
+        # With --tensor-parallel-size N the executor starts its other ranks itself.
         ex = self._spawn("executor", common + ["executor"] + flags["executor"], env)
         from shared.control import ExecutorClient
         client = ExecutorClient(grpc_addr)
+        # Rank 0 answers once every rank has joined the group and loaded its shard.
         self._wait("executor", ex, lambda: client.is_alive(1.0), a.startup_timeout)
         sc = self._spawn("scheduler", common + ["scheduler"] + flags["scheduler"], env)
         check = argparse.Namespace(**vars(a), service="scheduler")
@@ -261,16 +339,34 @@ class Stack:
         return url
 
     def stop(self) -> None:
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        """SIGTERM the services, then Redis (the services still talk to it while they shut
+        down); SIGKILL whatever still runs 10 s after its SIGTERM. Safe to call again, and
+        after a start() that was cut short."""
+        services = [(n, p) for n, p in reversed(self.procs) if n != "redis"]
+        _terminate(services)
+        _terminate([(n, p) for n, p in self.procs if n == "redis"])
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "Stack":
+        """`with Stack(args) as stack: url = stack.start() ...` stops every service when the
+        block ends, also when this process gets SIGTERM or SIGINT (both raise
+        KeyboardInterrupt in the block). NOTE: SIGTERM's default action ends a Python
+        process without running any `finally`, and the services, each in its own session,
+        would keep running."""
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._handlers[sig] = signal.signal(sig, _raise_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig in self._handlers:      # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            self.stop()
+        finally:
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
 
     def wait(self) -> int:
         """Block until a service dies (then stop the rest) or we are interrupted."""
@@ -283,6 +379,29 @@ class Stack:
             time.sleep(0.5)
 
 
+def _terminate(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 10.0) -> None:
+    for _name, proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for _name, proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        # Each service leads its own session (start_new_session): end whatever it left
+        # behind in its process group too.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
     """Re-emit the parsed flags that belong to each service, for its command line."""
     out = {}
@@ -290,7 +409,7 @@ def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
         flags = []
         for table in _TABLES[name]:
             for flag, _env, _default, typ, _help in table:
-                value = getattr(args, flag.lstrip("-").replace("-", "_"))
+                value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
                 if typ == "flag":
                     if value:
                         flags.append(flag)

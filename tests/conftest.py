@@ -107,20 +107,29 @@ class Stack:
         return metric_value(self.metrics(), name)
 
 
-def start_stack(redis_url: str, *extra: str, api_key: str | None = None,
-                timeout: float = 600) -> Stack:
-    ports = {"http": free_port(), "grpc": free_port(), "zmq": free_port()}
-    # plans go to zmq+1: make sure that one is free too
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports."""
     while True:
+        base = free_port()
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", ports["zmq"] + 1))
-            break
+            for p in range(base + 1, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
         except OSError:
-            ports["zmq"] = free_port()
+            continue
+
+
+def start_stack(redis_url: str, *extra: str, api_key: str | None = None,
+                timeout: float = 600, tensor_parallel_size: int = 1) -> Stack:
+    tp = tensor_parallel_size
+    # gRPC on grpc + rank; results on zmq, plans on zmq + 1 + rank
+    ports = {"http": free_port(), "grpc": free_ports(tp), "zmq": free_ports(tp + 1),
+             "dist": free_port()}
     argv = [sys.executable, "-m", "services.launcher", "serve",
             "--redis-url", redis_url, "--port", str(ports["http"]),
             "--grpc-port", str(ports["grpc"]), "--zmq-port", str(ports["zmq"]),
+            "--tensor-parallel-size", str(tp), "--dist-port", str(ports["dist"]),
             "--redis-prefix", f"t{ports['http']}", "--device", "cpu", "--dtype", "float32",
             "--kv-cache-gib", "0.25", "--swap-space-gib", "0.25", "--log-level", "warning",
             *extra]

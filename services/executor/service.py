@@ -17,6 +17,7 @@ only be restarted as a whole.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -194,8 +195,27 @@ class ExecutorServer:
         return encode(result)
 
 
-def run(config: ExecutorServiceConfig) -> int:
+def run(config: ExecutorServiceConfig, ranks=()) -> int:
+    """Serve until stopped; returns the exit status. `ranks`: child processes of the other
+    tensor-parallel ranks (started by the launcher): losing one stops this one too."""
+    holder: list[ExecutorServer] = []
+
+    def watch() -> None:
+        while not (holder and holder[0]._stop.is_set()):
+            for r, proc in enumerate(ranks, 1):
+                if proc.poll() is not None:
+                    log.critical("executor rank %d exited with status %s; stopping the group",
+                                 r, proc.returncode)
+                    if not holder:      # still joining the group, which can never complete
+                        os._exit(1)
+                    holder[0].exit_code = 1
+                    holder[0].stop()
+                    return
+            time.sleep(0.5)
+    if ranks:
+        threading.Thread(target=watch, name="rank-watch", daemon=True).start()
     server = ExecutorServer(config)
+    holder.append(server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server._stop.set())
     server.serve()
