@@ -60,6 +60,11 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
 def _gpu_bytes(pids: list[int]) -> dict[int, int]:
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                           "--format=csv,noheader,nounits"], capture_output=True, text=True)
@@ -93,7 +98,8 @@ def run_tp(tp: int, prompts, args) -> dict:
                 return res, time.perf_counter() - t0
 
         res, wall = asyncio.run(go())
-        pids = [p.pid for name, p in stack.procs if name.startswith("executor")]
+        parent = next(p.pid for name, p in stack.procs if name == "executor")
+        pids = [parent] + _children(parent)       # rank 0, then the ranks it started
         mem = (_gpu_bytes(pids) if args.device == "cuda" else
                {p: _rss_bytes(p) for p in pids})
     tokens = sum(n for _, _, n in res)
