@@ -130,6 +130,14 @@ def event_text(payload: dict) -> str:
     return "".join(text)
 
 
+def _retry_after(value: str | None) -> float:
+    """Seconds to wait from a Retry-After header (delta-seconds form); 1 s if absent."""
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        return 1.0
+
+
 class StreamError(Exception):
     """The stream broke the OpenAI streaming contract; the message says how."""
 
@@ -143,9 +151,17 @@ class StreamingUser(HttpUser):
     # NOTE: HttpUser (requests/urllib3) rather than FastHttpUser: urllib3 hands over each
     # HTTP chunk as it arrives, while geventhttpclient's read(n) waits for n bytes, which
     # would add the time of several tokens to the measured TTFT.
-    wait_time = between(0.05, 0.5)   # seconds of think time between requests
+    think_time = between(0.05, 0.5)   # seconds of think time between requests
+
+    def wait_time(self) -> float:
+        # A refused request (429 queue full, 503) is retried after its Retry-After, as the
+        # OpenAI SDK does, rather than at once: a closed loop of instant retries would
+        # measure the gateway's refusals, not the engine at saturation.
+        backoff, self.backoff = self.backoff, 0.0
+        return backoff or self.think_time()
 
     def on_start(self) -> None:
+        self.backoff = 0.0
         opts = self.environment.parsed_options
         self.model = getattr(opts, "model", DEFAULT_MODEL)
         self.sampling = {"max_tokens": getattr(opts, "max_tokens", 32)}
@@ -182,6 +198,8 @@ class StreamingUser(HttpUser):
                               name=f"{path} [{size}]") as resp:
             nbytes = 0
             try:
+                if resp.status_code in (429, 503):
+                    self.backoff = _retry_after(resp.headers.get("Retry-After"))
                 if resp.status_code != 200:
                     detail = resp.text if resp.status_code else getattr(resp, "error", "no response")
                     raise StreamError(f"HTTP {resp.status_code}: {str(detail or '')[:200]}")

@@ -102,7 +102,7 @@ def soak(args) -> dict:
     flags = ["serve", "--port", str(_free_port()), "--grpc-port", str(_free_port()),
              "--zmq-port", str(_free_port()), "--device", args.device,
              "--kv-cache-gib", str(args.kv_cache_gib), "--max-queue", str(args.max_queue),
-             "--log-level", "warning"]
+             "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
     with Stack(build_parser().parse_args(flags)) as stack:
         url = stack.start()
         print(f"soak: stack up at {url}; {args.users} users for {args.minutes:g} min",
@@ -144,6 +144,7 @@ def soak(args) -> dict:
     peak = {n: max(s[n] for s in under_load) for n in pids}
     result = {
         "minutes": args.minutes, "users": args.users, "max_queue": args.max_queue,
+        "max_num_seqs": args.max_num_seqs,
         "max_tokens": args.max_tokens, "warmup_s": args.warmup_s, **figures,
         "device": args.device,
         "requests_per_s": figures["requests"] / max(1e-9, load_ended - started),
@@ -175,7 +176,8 @@ def write_docs(result: dict, command: str) -> Path:
         "",
         f"- {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
         f"device {r['device']}; "
-        f"{r['users']} Locust users, queue limit {r['max_queue']} (so 429s are intended), "
+        f"{r['users']} Locust users (a refused one retries after Retry-After), engine batch "
+        f"{r['max_num_seqs']}, queue limit {r['max_queue']} (so 429s are intended), "
         f"max_tokens {r['max_tokens']}, {r['minutes']:g} min, warm-up {r['warmup_s']:g} s",
         f"- requests: {r['requests']} sent ({r['requests_per_s']:.2f}/s), {r['served']} "
         f"served ({r['served_per_s']:.2f}/s), {r['rejected_429']} answered 429, "
@@ -204,11 +206,14 @@ def write_docs(result: dict, command: str) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10)
-    ap.add_argument("--warmup-s", type=float, default=60,
-                    help="RSS growth is measured from this long after the start")
+    ap.add_argument("--warmup-s", type=float, default=150,
+                    help="RSS growth is measured from this long after the start (longer than "
+                         "the 120 s a finished request's output stream is kept in Redis)")
     ap.add_argument("--users", type=int, default=64)
     ap.add_argument("--max-queue", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="the engine's batch: users beyond it + the queue limit get 429s")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV pool on the CPU")
     ap.add_argument("--json", action="store_true")

@@ -198,6 +198,11 @@ def _run_service(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "executor":
+        # NOTE: before torch loads OpenMP. Spinning OpenMP threads lose their cores to any
+        # other busy process (the gateway, Redis, other ranks) and then every parallel
+        # region waits for the descheduled one: 4-5x slower decode on a shared 2-core
+        # machine, measured. Sleeping threads cost little when the executor has the cores.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from services.executor.config import ExecutorConfigError
         from services.executor.service import run
         ranks = []

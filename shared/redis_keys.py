@@ -18,6 +18,7 @@ from dataclasses import dataclass
 MSG_FIELD = b"m"
 CONSUMER_GROUP = "schedulers"
 OUTPUT_TTL_S = 600        # per-request output streams expire this long after their last write
+FINISHED_OUTPUT_TTL_S = 120  # ... and this long after the request finished (still resumable)
 ABORTS_MAXLEN = 10_000    # the abort stream is trimmed to about this many entries
 
 

@@ -44,7 +44,7 @@ from services.gateway.responses import dumps
 from services.gateway.stream import GenerationStream
 from services.gateway.validation import ApiError, bad
 from shared.model_source import ModelNotFound, load_tokenizer, resolve_model
-from shared.redis_keys import OUTPUT_TTL_S
+from shared.redis_keys import FINISHED_OUTPUT_TTL_S, OUTPUT_TTL_S
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -166,7 +166,8 @@ class Gateway:
             spec = None
         if spec is None:
             raise ApiError(404, f"no output stream for request {request_id[:128]!r}: the id is "
-                                f"unknown or its stream expired ({OUTPUT_TTL_S} s after its "
+                                f"unknown or its stream expired ({FINISHED_OUTPUT_TTL_S} s "
+                                f"after the request finished, or {OUTPUT_TTL_S} s after its "
                                 "last event)", param="request_id", code="stream_not_found")
         return GenerationStream(self, spec, found[0], resumed=True, last_event_id=last)
 

@@ -33,7 +33,8 @@ from services.scheduler.scheduler import AdmissionError, Scheduler
 from shared.control import ExecutorClient
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
-from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD, OUTPUT_TTL_S, RedisKeys
+from shared.redis_keys import (CONSUMER_GROUP, FINISHED_OUTPUT_TTL_S, MSG_FIELD, OUTPUT_TTL_S,
+                               RedisKeys)
 from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -302,12 +303,16 @@ class SchedulerService:
         for out in outputs:
             key = self.keys.output(out.request_id)
             pipe.xadd(key, {MSG_FIELD: encode(out)})
-            pipe.expire(key, OUTPUT_TTL_S)
+            pipe.expire(key, FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S)
             t = self.timing.get(out.request_id)
             if out.finished and t is not None:
                 acks.append(t.entry_id)
         if acks:
+            # A finished request's entry is not needed any more: deleting it keeps the
+            # request stream as long as the unfinished work (the group's lag stays exact:
+            # only entries before its last-delivered id are deleted).
             pipe.xack(self.keys.requests, CONSUMER_GROUP, *acks)
+            pipe.xdel(self.keys.requests, *acks)
         self._beat(pipe=pipe, force=any(o.finished for o in outputs))
         want = self._read_count()
         if read:
