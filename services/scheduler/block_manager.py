@@ -264,8 +264,15 @@ class BlockManager:
         seq.cache_chain_broken = False
         return seq.num_computed_tokens
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register seq's full, computed blocks in the prefix cache (call after each step).
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register seq's full blocks among its first `num_tokens` tokens (default: its
+        computed ones) in the prefix cache.
+
+        The scheduler registers a step's blocks when it schedules the step, with num_tokens =
+        the tokens computed once the step has run, so that a prompt admitted later in the same
+        step already maps them. NOTE: that is sound because the executors write the K/V of
+        every token of the step into the cache before any attention of the same layer reads
+        it; if the step fails, the scheduler takes the registrations back (`uncache_blocks`).
 
         A block is registered only under a registered parent, so a chain in the cache is
         always a real prefix; when that fails (an identical block is already cached, or the
@@ -274,7 +281,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.cache_chain_broken:
             return
         bs = self.block_size
-        n_full = seq.num_computed_tokens // bs
+        n_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // bs
         j = seq.num_cached_blocks
         if j >= n_full:
             return
@@ -292,3 +299,13 @@ class BlockManager:
                     break
             j += 1
         seq.num_cached_blocks = j
+
+    def uncache_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Take back the prefix-cache entries of seq's blocks [start, end): the step that
+        registered them failed (or may fail), so their K/V may never be written."""
+        gpu = self.gpu
+        table = seq.block_table
+        for j in range(start, min(end, len(table))):
+            if gpu.is_registered(table[j]):
+                gpu.uncache(table[j])
+        seq.num_cached_blocks = min(seq.num_cached_blocks, start)

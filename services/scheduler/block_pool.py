@@ -15,13 +15,19 @@ Every GPU block is in exactly one of two states:
 A physical block is an index into parallel arrays (ref_count[b], num_tokens[b], ...), not an
 object. NOTE: a pool holds up to ~10^5 blocks; as objects they would all be tracked by
 Python's garbage collector and every full collection would walk them (milliseconds, per
-collection, on the scheduler's hot loop). Lists of ints are not walked.
+collection, on the scheduler's hot loop). A full collection still visits every item of every
+list, and each block id above 256 in a list is an int object of its own, so the free list's
+links (block ids, touched only on allocate / free) live in array.array, which holds raw
+machine ints and is invisible to the collector. ref_count and num_tokens stay lists: they
+hold small ints (shared objects, cheap to visit) and the per-step fast path reads them, which
+is quicker on a list.
 
 `num_tokens[b]` counts block b's filled token slots (0..block_size); the pool keeps the sum
 over in-use blocks so that waste figures never scan the pool.
 """
 from __future__ import annotations
 
+from array import array
 from typing import Callable, Iterator
 
 NO_PARENT = (-1, -1)   # the parent identity of a prompt's first block
@@ -38,8 +44,8 @@ class FreeBlockQueue:
     def __init__(self, num_blocks: int) -> None:
         self.head = num_blocks          # sentinels live past the real ids: no None checks
         self.tail = num_blocks + 1
-        self.prev = [0] * (num_blocks + 2)
-        self.next = [0] * (num_blocks + 2)
+        self.prev = array("i", bytes(4 * (num_blocks + 2)))
+        self.next = array("i", bytes(4 * (num_blocks + 2)))
         order = [self.head, *range(num_blocks), self.tail]
         for a, b in zip(order, order[1:]):
             self.next[a] = b
@@ -90,7 +96,7 @@ class BlockPool:
         # NOTE: a block's generation changes each time it is registered, so a cached child
         # whose parent was evicted and re-registered with other tokens is never taken for a
         # child of the new content, even when the hash chain collides.
-        self.generation = [0] * num_blocks
+        self.generation = array("q", bytes(8 * num_blocks))
         self.free = FreeBlockQueue(num_blocks)
         self.cached: dict[int, int] = {}                 # block hash -> block id
         self.hash_fn = hash_fn
@@ -112,7 +118,7 @@ class BlockPool:
         Raises IndexError when no block is free."""
         b = self.free.popleft()
         if self.block_hash[b] is not None:
-            self._uncache(b)
+            self.uncache(b)
             self.num_evictions += 1
         self.ref_count[b] = 1
         self.num_tokens[b] = 0
@@ -177,7 +183,8 @@ class BlockPool:
         """What a child block records as its parent: the id and the current generation."""
         return (b, self.generation[b])
 
-    def _uncache(self, b: int) -> None:
+    def uncache(self, b: int) -> None:
+        """Forget block b's prefix-cache entry (its contents stay as they are)."""
         h = self.block_hash[b]
         if self.cached.get(h) == b:
             del self.cached[h]
@@ -188,7 +195,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (they stay allocated or free as they are)."""
         for b in list(self.cached.values()):
-            self._uncache(b)
+            self.uncache(b)
 
 
 class CpuBlockPool:
@@ -199,7 +206,7 @@ class CpuBlockPool:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
         self.num_tokens = [0] * num_blocks
-        self.free_ids = list(range(num_blocks - 1, -1, -1))
+        self.free_ids = array("i", range(num_blocks - 1, -1, -1))
 
     @property
     def num_free(self) -> int:

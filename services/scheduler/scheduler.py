@@ -29,7 +29,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.stats import SchedulerStats
 from shared.messages import (GenerationRequest, NewSeq, RequestOutput, ScheduledSeq, SeqDelta,
-                             StepPlan, StepResult, TokenLogprob)
+                             SeqSample, StepPlan, StepResult, TokenLogprob)
 
 WAITING = SequenceStatus.WAITING
 RUNNING = SequenceStatus.RUNNING
@@ -38,17 +38,28 @@ FINISHED = SequenceStatus.FINISHED
 
 _sort_key = attrgetter("sort_key")
 
+# NOTE: most plan entries carry no new blocks and most outputs no logprobs; they all share one
+# empty list each instead of allocating one per sequence per step (at 1,000 sequences that is
+# 2,000 fewer objects per step for the allocator and the garbage collector). Nothing appends
+# to a message's lists after it is built (the wires carry copies): never append to these.
+_NO_BLOCKS: list[int] = []
+_NO_LOGPROBS: list[TokenLogprob] = []
+
 __all__ = ["AdmissionError", "Scheduler", "SchedulerStats"]
 
 
 class _Step:
     """What one schedule() call accumulates before it becomes a StepPlan."""
 
-    __slots__ = ("budget", "seqs", "swap_out", "swap_in", "copy", "finished", "preempted")
+    __slots__ = ("budget", "seqs", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
+                 "finished", "preempted")
 
     def __init__(self, budget: int, finished: list[int]) -> None:
         self.budget = budget
         self.seqs: list[Sequence] = []
+        # The plan's entries, built as each seq is scheduled (see Scheduler._emit):
+        self.new_seqs: list[NewSeq] = []
+        self.scheduled: list[ScheduledSeq] = []
         self.swap_out: list[list[int]] = []
         self.swap_in: list[list[int]] = []
         self.copy: list[list[int]] = []
@@ -68,7 +79,6 @@ class Scheduler:
                                           reserve)
         self.watermark_blocks = int(config.watermark * num_gpu_blocks)
         self.groups: dict[str, SequenceGroup] = {}        # every unfinished request
-        self.seqs: dict[int, Sequence] = {}               # every live sequence
         self.waiting: list[tuple[tuple, SequenceGroup]] = []   # heap; aborted entries skipped
         self.num_waiting = 0
         self.running: list[SequenceGroup] = []             # sorted by sort_key
@@ -79,6 +89,7 @@ class Scheduler:
         self._step_id = 0
         self._next_seq_id = 0
         self._next_order = 0
+        self._stop_sets: dict[frozenset[int], frozenset[int]] = {}   # interned stop-id sets
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -103,6 +114,13 @@ class Scheduler:
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
+        # NOTE: requests nearly all carry the same stop ids (the model's EOS): one shared set
+        # stays in the cache, where one set per request is a cache miss per sampled token.
+        stops = self._stop_sets.get(group.stop_ids)
+        if stops is not None:
+            group.stop_ids = stops
+        elif len(self._stop_sets) < 1024:
+            self._stop_sets[group.stop_ids] = group.stop_ids
         for _ in range(1 if group.is_beam else sp.n):
             group.seqs.append(self._new_seq(group, list(req.prompt_token_ids), L))
         if group.is_beam:
@@ -117,7 +135,6 @@ class Scheduler:
         group.next_sample_index += 1
         if group.sampling.logprobs is not None:
             seq.logprobs = []
-        self.seqs[seq.seq_id] = seq
         return seq
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
@@ -162,43 +179,60 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         running = self.running
-        gpu = self.block_manager.gpu
+        bm = self.block_manager
+        caching = bm.enable_prefix_caching
+        gpu = bm.gpu
         ref_count = gpu.ref_count
         num_tokens = gpu.num_tokens
         bs = self.block_size
-        paged = not self.block_manager.reserve
+        paged = not bm.reserve
         out = step.seqs
+        scheduled = step.scheduled
         i = 0
         while i < len(running) and step.budget > 0:
             group = running[i]
             seqs = group.seqs
             if paged and len(seqs) == 1:
-                # Fast path, the bulk of every step: one seq decoding one token into a block it
-                # owns alone, or into a fresh block. Same effect as _schedule_group.
+                # Fast path, the bulk of every step: one seq the executors know, decoding one
+                # token into a block it owns alone, or into a fresh block. Same effect as
+                # _schedule_group + _emit, in one visit of the seq.
                 seq = seqs[0]
                 c = seq.num_computed_tokens
-                if len(seq.token_ids) - c == 1:
+                tokens = seq.token_ids
+                sent = seq.num_tokens_sent
+                if len(tokens) - c == 1 and sent >= 0:
                     table = seq.block_table
                     j = c // bs
                     if j < len(table):
                         block = table[j]
-                        if ref_count[block] == 1:
+                        if ref_count[block] != 1:
+                            block = -1              # shared: copy-on-write, the general path
+                        else:
                             # gpu.fill(block, c - j * bs + 1), inline: one more slot filled
                             filled = c - j * bs + 1
                             if filled > num_tokens[block]:
                                 gpu.num_filled_slots += filled - num_tokens[block]
                                 num_tokens[block] = filled
-                            seq.num_scheduled_tokens = 1
-                            out.append(seq)
-                            step.budget -= 1
-                            i += 1
-                            continue
                     elif gpu.free.num_free:
                         block = gpu.allocate()
                         gpu.fill(block, 1)
                         table.append(block)
+                    else:
+                        block = -1                  # out of blocks: the general path preempts
+                    if block >= 0:
                         seq.num_scheduled_tokens = 1
                         out.append(seq)
+                        if (caching and (c + 1) // bs > seq.num_cached_blocks
+                                and not seq.cache_chain_broken):
+                            bm.cache_computed_blocks(seq, c + 1)    # a block just filled
+                        synced = seq.num_blocks_synced
+                        n = len(table)
+                        scheduled.append(ScheduledSeq(
+                            seq.seq_id, c, 1, tokens[sent:],
+                            -1 if synced == seq.num_blocks_sent else synced,
+                            table[synced:] if synced < n else _NO_BLOCKS))
+                        seq.num_tokens_sent = c + 1
+                        seq.num_blocks_sent = seq.num_blocks_synced = n
                         step.budget -= 1
                         i += 1
                         continue
@@ -391,10 +425,42 @@ class Scheduler:
             copies = bm.allocate_slots(seq, t)
             if copies:
                 step.copy.extend(copies)
-            seq.num_scheduled_tokens = t
-            step.seqs.append(seq)
-            step.budget -= t
+            self._emit(seq, t, step)
         return True
+
+    def _emit(self, seq: Sequence, t: int, step: _Step) -> None:
+        """Put `seq`, its slots allocated, into the step with `t` tokens, and write its plan
+        entry now: the seq whole if the executors do not know it, else what changed since
+        they last saw it (the token and block-table diffs). Blocks this step fills are
+        registered in the prefix cache now, so that a prompt admitted later in this same
+        step maps them instead of computing them again (see cache_computed_blocks).
+
+        NOTE: the entry is built here, not in a pass over the step at the end, so that each
+        seq's state is visited once per schedule(): at 1,000 running seqs that state no longer
+        fits in a core's cache and every extra pass over it is a pass of cache misses. Nothing
+        later in the same schedule() changes a scheduled seq (victims of preemption are always
+        groups not yet scheduled in this step).
+        """
+        seq.num_scheduled_tokens = t
+        step.seqs.append(seq)
+        step.budget -= t
+        if (seq.num_computed_tokens + t) // self.block_size > seq.num_cached_blocks:
+            self.block_manager.cache_computed_blocks(seq, seq.num_computed_tokens + t)
+        tokens = seq.token_ids
+        table = seq.block_table
+        if seq.num_tokens_sent < 0:
+            g = seq.group
+            step.new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
+                                        list(table), g.sampling, seq.sample_index))
+            step.scheduled.append(ScheduledSeq(seq.seq_id, seq.num_computed_tokens, t))
+        else:
+            synced = seq.num_blocks_synced
+            step.scheduled.append(ScheduledSeq(
+                seq.seq_id, seq.num_computed_tokens, t, tokens[seq.num_tokens_sent:],
+                -1 if synced == seq.num_blocks_sent else synced,
+                table[synced:] if synced < len(table) else _NO_BLOCKS))
+        seq.num_tokens_sent = len(tokens)
+        seq.num_blocks_sent = seq.num_blocks_synced = len(table)
 
     def _fork_group(self, group: SequenceGroup, step: _Step) -> None:
         """The leader computed the shared prefix: every other seq now maps its blocks."""
@@ -441,28 +507,9 @@ class Scheduler:
 
     def _build_plan(self, step: _Step) -> StepPlan:
         self._step_id += 1
-        new_seqs = []
-        scheduled = []
-        for seq in step.seqs:
-            tokens = seq.token_ids
-            table = seq.block_table
-            if seq.num_tokens_sent < 0:
-                g = seq.group
-                new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
-                                       list(table), g.sampling, seq.sample_index))
-                scheduled.append(ScheduledSeq(seq.seq_id, seq.num_computed_tokens,
-                                              seq.num_scheduled_tokens))
-            else:
-                synced = seq.num_blocks_synced
-                scheduled.append(ScheduledSeq(
-                    seq.seq_id, seq.num_computed_tokens, seq.num_scheduled_tokens,
-                    tokens[seq.num_tokens_sent:],
-                    -1 if synced == seq.num_blocks_sent else synced, table[synced:]))
-            seq.num_tokens_sent = len(tokens)
-            seq.num_blocks_sent = seq.num_blocks_synced = len(table)
         self._inflight = (self._step_id, step.seqs)
-        return StepPlan(self._step_id, new_seqs, scheduled, step.swap_out, step.swap_in,
-                        step.copy, step.finished)
+        return StepPlan(self._step_id, step.new_seqs, step.scheduled, step.swap_out,
+                        step.swap_in, step.copy, step.finished)
 
     # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -478,10 +525,24 @@ class Scheduler:
         self._inflight = None
         if result.error is not None:
             return self._fail_step(seqs, result.error)
-        bm = self.block_manager
-        caching = bm.enable_prefix_caching
+        # NOTE: one pass over the step's seqs, each visited once: advance its computed tokens,
+        # then apply its sample. (Two passes, one over the seqs and one over the samples,
+        # cost a second round of cache misses per seq once the batch outgrows the cache.)
+        # Executors return samples in plan order as a rule, so a cursor finds them; anything
+        # out of order is looked up by id. A duplicate sample for one seq is ignored, as is a
+        # sample for a seq that was not in this step.
+        samples = result.samples
+        num_samples = len(samples)
+        k = 0
+        by_id: dict[int, SeqSample] | None = None
+        append_token = self._append_token
+        outs: list[RequestOutput] = []
+        grouped: dict[str, int] = {}     # request id -> its output in outs (groups of several)
+        beam_steps: dict[str, list] = {}
         prompt_done = 0
         num_ended = 0                        # chunks that reached their seq's end: must sample
+        num_sampled = 0
+        any_finished = False
         for seq in seqs:
             if seq.status != RUNNING:        # aborted or finished while in flight
                 continue
@@ -489,32 +550,30 @@ class Scheduler:
             t = seq.num_scheduled_tokens
             seq.num_computed_tokens = c + t
             seq.num_scheduled_tokens = 0
-            if c + t == len(seq.token_ids):
-                num_ended += 1
             if c < seq.prompt_len:
                 prompt_done += min(c + t, seq.prompt_len) - c
-            if caching and (c + t) // self.block_size > seq.num_cached_blocks:
-                bm.cache_computed_blocks(seq)
-        self.prompt_tokens_total += prompt_done
-
-        outputs: dict[str, RequestOutput] = {}
-        beam_steps: dict[str, list] = {}
-        lookup = self.seqs.get
-        append_token = self._append_token
-        num_sampled = 0
-        any_finished = False
-        for s in result.samples:
-            seq = lookup(s.seq_id)
-            if seq is None or seq.status != RUNNING:
-                continue
+            tokens = seq.token_ids
+            at_end = c + t == len(tokens)
+            if at_end:
+                num_ended += 1
+            if k < num_samples and samples[k].seq_id == seq.seq_id:
+                s = samples[k]
+                k += 1
+            else:
+                if by_id is None:
+                    by_id = {}
+                    for x in samples:
+                        by_id.setdefault(x.seq_id, x)
+                s = by_id.get(seq.seq_id)
+                if s is None:
+                    continue
             group = seq.group
             if s.prompt_logprobs and group.prompt_logprobs is not None and seq is group.seqs[0]:
                 room = group.prompt_len - 1 - len(group.prompt_logprobs)
                 if room > 0:
                     group.prompt_logprobs.extend(s.prompt_logprobs[:room])
             token = s.token_id
-            tokens = seq.token_ids
-            if token < 0 or seq.num_computed_tokens != len(tokens):
+            if token < 0 or not at_end:
                 continue
             if group.is_beam:
                 beam_steps.setdefault(group.request_id, []).append((seq, s.top))
@@ -525,34 +584,40 @@ class Scheduler:
                 cum = seq.cumulative_logprob = seq.cumulative_logprob + s.logprob
                 tokens.append(token)
                 if len(tokens) < group.max_len:
-                    delta = SeqDelta(seq.sample_index, [token], [], None, None, cum)
+                    delta = SeqDelta(seq.sample_index, [token], _NO_LOGPROBS, None, None, cum)
                 else:
                     seq.finish_reason = "length"
-                    delta = SeqDelta(seq.sample_index, [token], [], "length", None, cum)
+                    delta = SeqDelta(seq.sample_index, [token], _NO_LOGPROBS, "length", None,
+                                     cum)
             else:
                 delta = append_token(seq, group, token, s.logprob, s.top)
-            out = outputs.get(group.request_id)
-            if out is None:
-                if group.first_output_sent:
-                    outputs[group.request_id] = RequestOutput(
-                        group.request_id, [delta], False, group.prompt_len, group.num_cached_tokens)
-                else:
-                    outputs[group.request_id] = self._output(group, [delta])
-            else:
+            i = grouped.get(group.request_id) if group.max_num_seqs > 1 else None
+            if i is not None:
+                out = outs[i]
                 out.seqs.append(delta)
+            else:
+                if group.max_num_seqs > 1:
+                    grouped[group.request_id] = len(outs)
+                if group.first_output_sent:
+                    out = RequestOutput(group.request_id, [delta], False, group.prompt_len,
+                                        group.num_cached_tokens)
+                else:
+                    out = self._output(group, [delta])
+                outs.append(out)
             if delta.finish_reason is not None:
                 self._finish_seq(seq)
                 if not group.seqs:
-                    out = outputs[group.request_id]
                     out.finished = True
                     self._finish_group(group, prune_running=False)
                     any_finished = True
+        self.prompt_tokens_total += prompt_done
         for rid, beams in beam_steps.items():
             num_sampled += len(beams)
             group = self.groups[rid]
             out = self._beam_step(group, beams)
             if out is not None:
-                outputs[rid] = out
+                grouped[rid] = len(outs)
+                outs.append(out)
                 any_finished = True
         self.generation_tokens_total += num_sampled
         for seq in seqs if num_sampled < num_ended else ():
@@ -564,10 +629,14 @@ class Scheduler:
                 out.error = (f"the executor returned no token for sequence {seq.seq_id}: "
                              "the request was stopped, please retry it")
                 out.error_code = 500
-                outputs[group.request_id] = out
+                i = grouped.get(group.request_id)
+                if i is None:
+                    outs.append(out)
+                else:
+                    outs[i] = out            # replaces the news of its other seqs
         if any_finished:
             self.running = [g for g in self.running if g.status == RUNNING]
-        return list(outputs.values())
+        return outs
 
     @staticmethod
     def _append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float,
@@ -579,13 +648,15 @@ class Scheduler:
         if token in group.stop_ids and len(tokens) >= group.min_len:
             seq.finish_reason = "stop"
             seq.stop_token_id = token
-            return SeqDelta(seq.sample_index, [], [], "stop", token, seq.cumulative_logprob)
+            return SeqDelta(seq.sample_index, [], _NO_LOGPROBS, "stop", token,
+                            seq.cumulative_logprob)
         tokens.append(token)
         reason = None
         if len(tokens) >= group.max_len:
             reason = seq.finish_reason = "length"
         if seq.logprobs is None:
-            return SeqDelta(seq.sample_index, [token], [], reason, None, seq.cumulative_logprob)
+            return SeqDelta(seq.sample_index, [token], _NO_LOGPROBS, reason, None,
+                            seq.cumulative_logprob)
         lp = TokenLogprob(token, logprob, top[:group.sampling.logprobs])
         seq.logprobs.append(lp)
         return SeqDelta(seq.sample_index, [token], [lp], reason, None, seq.cumulative_logprob)
@@ -642,13 +713,22 @@ class Scheduler:
                 out.prompt_logprobs = [None, *group.prompt_logprobs]
         return out
 
+    def _uncache_step_blocks(self, seq: Sequence) -> None:
+        """Take back the prefix-cache entries of the blocks seq's in-flight chunk fills: they
+        were registered when the step was scheduled, and the step failed or may fail."""
+        if seq.num_scheduled_tokens and self.block_manager.enable_prefix_caching:
+            c = seq.num_computed_tokens
+            self.block_manager.uncache_blocks(seq, c // self.block_size,
+                                              (c + seq.num_scheduled_tokens) // self.block_size)
+
     def _release_seq(self, seq: Sequence) -> None:
         """Free a seq's blocks and tell the executors to drop it with the next plan."""
+        if self._inflight is not None:
+            self._uncache_step_blocks(seq)      # aborted while its step runs
         self.block_manager.free(seq)
         if seq.num_tokens_sent >= 0:
             self._pending_finished.append(seq.seq_id)
         seq.status = FINISHED
-        self.seqs.pop(seq.seq_id, None)
 
     def _finish_seq(self, seq: Sequence) -> None:
         self._release_seq(seq)
@@ -672,6 +752,9 @@ class Scheduler:
         self.groups.pop(group.request_id, None)
 
     def _fail_step(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+        for seq in seqs:
+            if seq.status == RUNNING:
+                self._uncache_step_blocks(seq)
         outputs = []
         for group in {s.group.request_id: s.group for s in seqs}.values():
             if group.status == FINISHED:

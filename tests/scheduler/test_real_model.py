@@ -31,9 +31,11 @@ def runner():
                                       num_gpu_blocks=256, swap_space_gib=0.02, num_threads=1))
 
 
-def generate(runner, num_gpu_blocks: int, mode: str) -> tuple[dict, Scheduler]:
+def generate(runner, num_gpu_blocks: int, mode: str,
+             prefix_caching: bool = True) -> tuple[dict, Scheduler]:
     cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=256,
-                          preemption_mode=mode, growth_reserve=0.0)
+                          preemption_mode=mode, growth_reserve=0.0,
+                          enable_prefix_caching=prefix_caching)
     sched = Scheduler(cfg, num_gpu_blocks, min(runner.num_cpu_blocks, 16))
     for r in requests():
         sched.add_request(r)
@@ -59,3 +61,14 @@ def test_preempted_requests_reproduce_their_tokens_on_the_real_model(runner):
         assert (st.swapped_out_blocks_total > 0) == (mode == "swap")
         assert st.prefix_cache_hits > 0 and st.gpu_blocks_used == 0
         assert got == want, mode
+
+
+def test_prompts_admitted_together_share_their_prefix_and_match_a_run_without_cache(runner):
+    # All five prompts start with the same 16-token block and are admitted in the first step:
+    # r0 computes that block and the four others map it in the same step, reading the K/V r0
+    # writes there (the executor writes a layer's K/V for the whole batch before attention).
+    cached, sched = generate(runner, 256, "recompute")
+    first = sched.stats()
+    assert first.prefix_cache_hits == 4 * len(SYSTEM)
+    uncached, _ = generate(runner, 256, "recompute", prefix_caching=False)
+    assert cached == uncached

@@ -294,6 +294,51 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache():
     assert e.tokens("a") == e.tokens("b")
 
 
+def test_identical_prompts_admitted_in_one_step_share_the_blocks_it_computes():
+    e = Engine()
+    prompt = list(range(10, 30))                  # 5 blocks of 4
+    e.add("a", prompt, max_tokens=3)
+    e.add("b", prompt, max_tokens=3)
+    plan, _ = e.step()
+    # Both start in the first step: a computes the prompt, b maps a's 4 whole blocks (its last
+    # token must run) and computes only from position 16, reading what a writes in this step.
+    assert [(s.num_computed_tokens, s.num_tokens) for s in plan.scheduled] == [(0, 20), (16, 4)]
+    a, b = plan.new_seqs
+    assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] != a.block_table[4]
+    assert e.sched.stats().gpu_blocks_used == 6
+    e.run()
+    assert e.outputs["b"][0].num_cached_tokens == 16
+    assert e.tokens("a") == e.tokens("b") == greedy_tokens(prompt, 3)
+
+
+def test_a_failed_step_takes_back_the_prefix_blocks_it_registered():
+    e = Engine()
+    prompt = list(range(10, 30))
+    e.add("a", prompt, max_tokens=3)
+    plan = e.sched.schedule()
+    e.ex.execute(plan)                      # the executors know seq a; the step then fails
+    (out,) = e.sched.update(plan, StepResult(plan.step_id, error="device lost"))
+    assert out.error_code == 500 and e.sched.stats().gpu_blocks_cached == 0
+    e.add("b", prompt, max_tokens=3)         # must compute its prompt: nothing was written
+    e.run()
+    assert e.outputs["b"][0].num_cached_tokens == 0
+    assert e.tokens("b") == greedy_tokens(prompt, 3)
+
+
+def test_an_abort_while_a_step_runs_takes_back_the_prefix_blocks_it_registered():
+    e = Engine()
+    prompt = list(range(10, 30))
+    e.add("a", prompt, max_tokens=3)
+    plan = e.sched.schedule()
+    e.ex.execute(plan)
+    e.sched.abort_request("a")
+    assert e.sched.stats().gpu_blocks_cached == 0
+    e.sched.update(plan, StepResult(plan.step_id, error="device lost"))
+    e.add("b", prompt, max_tokens=3)
+    e.run()
+    assert e.outputs["b"][0].num_cached_tokens == 0 and e.tokens("b") == greedy_tokens(prompt, 3)
+
+
 # ---------------------------------------------------------------- sharing
 
 
