@@ -309,7 +309,9 @@ def write_docs(res: dict, args, figures: dict) -> None:
         f"    {args.command}",
         "",
         f"- model: {MODEL}, dtype {args.dtype}, device {args.device}",
-        f"- workload: {args.requests} ShareGPT-like requests (seed {args.seed}), Poisson arrivals",
+        f"- workload: {args.requests} ShareGPT-like requests (seed {args.seed}), lengths scaled by "
+        f"{args.length_scale:g} (prompts ~{161 * args.length_scale:.0f}, outputs "
+        f"~{338 * args.length_scale:.0f} tokens on average), Poisson arrivals",
         f"- KV budget: {args.kv_slots} token slots = {args.kv_slots // args.max_model_len} "
         f"contiguous reservations of {args.max_model_len} tokens",
         f"- SLO for the sustained rate: mean normalized latency ≤ {args.slo_normalized} s/token; "
@@ -328,7 +330,9 @@ def write_docs(res: dict, args, figures: dict) -> None:
                 f"{d['mean_normalized_latency']:.3f} | {d['ttft_p50']:.2f} / {d['ttft_p99']:.2f} | "
                 f"{d['tpot_p50']:.3f} | {d['itl_p50']:.3f} / {d['itl_p99']:.3f} | "
                 f"{d['e2e_p50']:.1f} / {d['e2e_p99']:.1f} |")
-    lines += ["", "Sustained rate under the SLO:", ""]
+    lines += ["", "Sustained rate under the SLO (between the last rate that meets it and the "
+              "first that does not, interpolated linearly; below the lowest rate tried, from "
+              "the origin, which can only overstate that system's rate):", ""]
     for k, v in figures.items():
         lines.append(f"- `{k}`: {v:.3f}")
     lines += ["", "![normalized latency](serving_normalized_latency.png)", "",
