@@ -21,8 +21,11 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-strict-aliasing", "-fopenmp",
-           "-shared", "-fPIC"]
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-strict-aliasing", "-fopenmp", "-fPIC"]
+# NOTE: linked in a second step without -ffast-math: linking with it adds crtfastmath.o,
+# which turns on flush-to-zero and denormals-are-zero for the whole process when the
+# library loads (torch's own results, and anything else in the process, would change).
+_LDFLAGS = ["-shared", "-fopenmp"]
 _lib: ctypes.CDLL | None | bool = False          # False: not tried yet; None: unavailable
 
 
@@ -44,15 +47,23 @@ def _load() -> ctypes.CDLL:
     cpuinfo = Path("/proc/cpuinfo")
     flags = next((ln for ln in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
                   if ln.startswith("flags")), "")
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS).encode() + flags.encode()
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode()
+                         + flags.encode()
                          + platform.machine().encode()).hexdigest()[:16]
     root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
     path = root / "kernels" / f"cpu_kernels-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        subprocess.run([os.environ.get("CC", "gcc"), *_CFLAGS, str(_SRC), "-o", str(tmp), "-lm"],
-                       check=True, capture_output=True, timeout=120)
+        obj = tmp.with_suffix(".o")
+        cc = os.environ.get("CC", "gcc")
+        try:
+            subprocess.run([cc, *_CFLAGS, "-c", str(_SRC), "-o", str(obj)],
+                           check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *_LDFLAGS, str(obj), "-o", str(tmp), "-lm"],
+                           check=True, capture_output=True, timeout=120)
+        finally:
+            obj.unlink(missing_ok=True)
         os.replace(tmp, path)    # atomic: concurrent first starts never load a partial file
     # NOTE: torch's libgomp is already loaded under the same soname, so these kernels run
     # on torch's OpenMP thread pool rather than a second one competing for the cores.

@@ -15,6 +15,7 @@ need logits (`compute_logits`), never on every prefill token.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 from services.executor import cpu_kernels
 from services.executor.attention import AttentionMetadata, paged_attention, write_kv
 from services.executor.parallel import ProcessGroup
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 
@@ -276,9 +279,14 @@ class LlamaModel:
             pack = torch.ops.mkldnn._reorder_linear_weight
         else:
             return False
-        for lin in self.linears():
+        try:
+            packed = [pack(lin.weight) for lin in self.linears()]
+        except RuntimeError as exc:   # e.g. oneDNN's bf16 reorder needs AVX512 or AVX-NE-CONVERT
+            log.info("weights not prepacked (%s); using the plain GEMM", exc)
+            return False
+        for lin, p in zip(self.linears(), packed):
             w = lin.weight
-            lin.packed = pack(w)
+            lin.packed = p
             if lin.weight is not self.embed:
                 lin.weight = torch.zeros((), dtype=w.dtype).expand(w.shape)
         return True
