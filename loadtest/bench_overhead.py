@@ -28,7 +28,7 @@ import httpx  # noqa: E402
 
 from services.engine import OfflineEngine  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
-from services.launcher import Stack, _free_port, build_parser  # noqa: E402
+from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402
 
@@ -77,10 +77,10 @@ async def _one(client, prompt, out_tokens, t0):
 
 
 def run_stack(prompts, out_tokens, args) -> dict:
-    port = _free_port()
+    port = free_port()
     sargs = build_parser().parse_args([
-        "serve", "--port", str(port), "--grpc-port", str(_free_port()),
-        "--zmq-port", str(_free_port()), "--device", "cpu", "--dtype", args.dtype,
+        "serve", "--port", str(port), "--grpc-port", str(free_port()),
+        "--zmq-port", str(free_ports(2)), "--device", "cpu", "--dtype", args.dtype,
         "--kv-cache-gib", str(args.kv_gib), "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning",
         "--max-queue", "100000"])

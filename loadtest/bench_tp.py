@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, workload  # noqa: E402
-from services.launcher import Stack, _free_port, build_parser  # noqa: E402
+from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 from shared.control import ExecutorClient  # noqa: E402
 
 GIB = 1 << 30
@@ -37,19 +37,6 @@ GIB = 1 << 30
 # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab, tied)
 SHAPES = {"Llama-3-8B": (32, 4096, 32, 8, 128, 14336, 128256, False),
           "Llama-3-70B": (80, 8192, 64, 8, 128, 28672, 128256, False)}
-
-
-def _free_ports(n: int) -> int:
-    import socket
-    while True:
-        base = _free_port()
-        try:
-            for p in range(base + 1, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
 
 
 def _rss_bytes(pid: int) -> int:
@@ -76,9 +63,9 @@ def _gpu_bytes(pids: list[int]) -> dict[int, int]:
 
 
 def run_tp(tp: int, prompts, args) -> dict:
-    grpc = _free_ports(tp)
-    flags = ["serve", "--port", str(_free_port()), "--grpc-port", str(grpc),
-             "--zmq-port", str(_free_ports(tp + 1)), "--dist-port", str(_free_port()),
+    grpc = free_ports(tp)
+    flags = ["serve", "--port", str(free_port()), "--grpc-port", str(grpc),
+             "--zmq-port", str(free_ports(tp + 1)), "--dist-port", str(free_port()),
              "--tensor-parallel-size", str(tp), "--device", args.device, "--dtype", args.dtype,
              "--max-num-seqs", str(args.requests), "--log-level", "warning",
              "--max-queue", "100000"]

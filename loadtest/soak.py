@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.launcher import Stack, _free_port, build_parser  # noqa: E402
+from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 
 SAMPLE_S = 5.0          # RSS sampling period (s)
 SETTLE_S = 30.0         # after the load: wait this long at most for the pool to drain (s)
@@ -99,8 +99,8 @@ def locust_figures(out_dir: str) -> dict:
 
 
 def soak(args) -> dict:
-    flags = ["serve", "--port", str(_free_port()), "--grpc-port", str(_free_port()),
-             "--zmq-port", str(_free_port()), "--device", args.device,
+    flags = ["serve", "--port", str(free_port()), "--grpc-port", str(free_port()),
+             "--zmq-port", str(free_ports(2)), "--device", args.device,
              "--kv-cache-gib", str(args.kv_cache_gib), "--max-queue", str(args.max_queue),
              "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
     with Stack(build_parser().parse_args(flags)) as stack:

@@ -277,10 +277,25 @@ def _healthcheck(args) -> int:
 
 # ---------------------------------------------------------------- the whole stack
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports (ZeroMQ takes p and p + 1; gRPC of rank r takes
+    p + r)."""
+    while True:
+        base = free_port()
+        try:
+            for p in range(base + 1, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
 
 
 class Stack:
@@ -316,7 +331,7 @@ class Stack:
             if exe is None:
                 raise RuntimeError("redis-server not found on PATH: install it "
                                    "(apt-get install redis-server) or set REDIS_URL")
-            port = _free_port()
+            port = free_port()
             proc = self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1",
                                          "--save", "", "--appendonly", "no", "--dir", self.tmp,
                                          "--loglevel", "warning"])

@@ -12,20 +12,8 @@ import redis
 
 from shared.control import ExecutorClient
 from shared.redis_keys import RedisKeys
-from tests.conftest import REPO, free_port, metric_value, stop_process
-
-
-def _free_pair() -> int:
-    """A free port whose successor is free too (results on p, plans on p + 1)."""
-    import socket
-    while True:
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
+from services.launcher import free_port, free_ports
+from tests.conftest import REPO, metric_value, stop_process
 
 
 class Cluster:
@@ -51,7 +39,7 @@ class Cluster:
     def start_executor(self, name: str = "executor", timeout: float = 300) -> None:
         """Start (or restart on the same ports) one executor."""
         if name not in self.executors:
-            self.executors[name] = (free_port(), _free_pair())
+            self.executors[name] = (free_port(), free_ports(2))
         grpc_port, zmq_port = self.executors[name]
         self._spawn(name, ["executor", "--grpc-port", str(grpc_port), "--zmq-port",
                            str(zmq_port), "--device", "cpu", "--dtype", "float32",

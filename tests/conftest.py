@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,13 +19,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from services.launcher import free_port, free_ports  # noqa: F401 (tests import them from here)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -105,19 +100,6 @@ class Stack:
 
     def metric(self, name: str) -> float:
         return metric_value(self.metrics(), name)
-
-
-def free_ports(n: int) -> int:
-    """The first of n consecutive free ports."""
-    while True:
-        base = free_port()
-        try:
-            for p in range(base + 1, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
 
 
 def start_stack(redis_url: str, *extra: str, api_key: str | None = None,

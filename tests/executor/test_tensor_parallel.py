@@ -18,7 +18,8 @@ import zmq
 from shared.control import ExecutorClient
 from shared.messages import SamplingParams, StepPlan, StepResult
 from shared.wire import decode, encode
-from tests.conftest import REPO, free_port, free_ports, stop_process
+from services.launcher import free_port, free_ports
+from tests.conftest import REPO, stop_process
 from tests.executor.conftest import make_tiny_checkpoint, tiny_runner
 from tests.executor.plans import PlanBuilder
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -19,17 +18,12 @@ import redis
 import uvicorn
 
 from services.gateway.app import create_app
+from services.launcher import free_port
 from services.gateway.config import GatewayConfig
 from shared.messages import AbortRequest, GenerationRequest, RequestOutput, SeqDelta
 from shared.model_source import load_tokenizer, resolve_model
 from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD, RedisKeys
 from shared.wire import decode, encode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisProcess:
