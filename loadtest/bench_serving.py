@@ -38,7 +38,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loadtest.workloads import poisson_arrivals, sharegpt_like  # noqa: E402
-from services.launcher import Stack, _free_port, build_parser  # noqa: E402
+from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -110,8 +110,8 @@ def _poll_metrics(url: str, stop: threading.Event, trace: list, t0: list) -> Non
 
 
 def run_stack(mode: str, requests, rates, args) -> dict:
-    flags = ["serve", "--port", str(_free_port()), "--grpc-port", str(_free_port()),
-             "--zmq-port", str(_free_port()), "--device", args.device, "--dtype", args.dtype,
+    flags = ["serve", "--port", str(free_port()), "--grpc-port", str(free_port()),
+             "--zmq-port", str(free_ports(2)), "--device", args.device, "--dtype", args.dtype,
              "--num-gpu-blocks", str(args.kv_slots // args.block_size),
              "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
              "--max-num-seqs", "256", "--max-num-batched-tokens", str(args.max_batched_tokens),
@@ -233,9 +233,33 @@ def _summarise(results: list[Result], wall: float, args) -> dict:
     return d
 
 
+def meets_slo_everywhere(by_rate: dict, slo: float) -> bool:
+    """Every rate tried stays under the SLO: the sustained rate is then only a lower bound
+    (the highest rate tried)."""
+    return all(d["mean_normalized_latency"] <= slo for d in by_rate.values())
+
+
+def slo_sweep(res: dict, slos: list[float]) -> dict:
+    """Sustained rates and paged's ratios at several SLOs, each marked when it is a bound:
+    {slo: {"rates": {system: r}, "lower_bound": [systems], "ratio_vs_<other>": x}}."""
+    out = {}
+    for slo in slos:
+        rates = {s: sustained_rate(r, slo) for s, r in res.items()}
+        entry = {"rates": rates,
+                 "lower_bound": [s for s, r in res.items() if meets_slo_everywhere(r, slo)]}
+        if "paged" in rates:
+            for other in ("contiguous", "hf"):
+                if other in rates:
+                    entry[f"ratio_vs_{other}"] = (rates["paged"] / rates[other]
+                                                  if rates[other] else math.inf)
+        out[str(slo)] = entry
+    return out
+
+
 def sustained_rate(by_rate: dict, slo: float) -> float:
     """Highest rate whose mean normalized latency is under the SLO, interpolated linearly
-    between the last passing and the first failing rate."""
+    between the last passing and the first failing rate (the highest rate tried when every
+    rate passes: see meets_slo_everywhere)."""
     rates = sorted(by_rate)
     best = 0.0
     for lo, hi in zip([0.0] + rates, rates):
@@ -250,7 +274,7 @@ def sustained_rate(by_rate: dict, slo: float) -> float:
     return best
 
 
-def write_docs(res: dict, args, figures: dict) -> None:
+def write_docs(res: dict, args, figures: dict, bounded: list[str], sweep: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -335,6 +359,25 @@ def write_docs(res: dict, args, figures: dict) -> None:
               "the origin, which can only overstate that system's rate):", ""]
     for k, v in figures.items():
         lines.append(f"- `{k}`: {v:.3f}")
+    for system in bounded:
+        lines.append(f"- {system} met the SLO at every rate tried: its sustained rate is at "
+                     "least the highest rate tried, and a ratio over it is a lower bound")
+    systems = list(res)
+    others = [o for o in ("contiguous", "hf") if o in systems and "paged" in systems]
+    lines += ["", "The same run at other SLOs (≥: the system met that SLO at every rate tried):",
+              "", "| SLO (s/token) | " + " | ".join(systems) + " | "
+              + " | ".join(f"paged / {o}" for o in others) + " |",
+              "|---|" + "---|" * (len(systems) + len(others))]
+    for slo, e in sweep.items():
+        mark = {s: "≥ " if s in e["lower_bound"] else "" for s in systems}
+        cells = [f"{mark[s]}{e['rates'][s]:.3f}" for s in systems]
+        for o in others:
+            x = e[f"ratio_vs_{o}"]
+            # a bound on paged makes the ratio a lower bound; one on the other, an upper one
+            pre = "≥ " if "paged" in e["lower_bound"] and o not in e["lower_bound"] else (
+                "? " if o in e["lower_bound"] else "")
+            cells.append(f"{pre}{x:.2f}x")
+        lines.append(f"| {slo} | " + " | ".join(cells) + " |")
     lines += ["", "![normalized latency](serving_normalized_latency.png)", "",
               "![latency CDF](serving_latency_cdf.png)", "",
               "![KV usage and batch size](serving_kv_usage.png)", ""]
@@ -358,6 +401,8 @@ def main() -> None:
     ap.add_argument("--length-scale", type=float, default=1.0,
                     help="scale ShareGPT-like lengths (a quicker run keeps the shape)")
     ap.add_argument("--slo-normalized", type=float, default=1.0, help="s/token")
+    ap.add_argument("--slo-sweep", default="0.1,0.15,0.2,0.25,0.5",
+                    help="also report the sustained rates and ratios at these SLOs (s/token)")
     ap.add_argument("--slo-ttft", type=float, default=10.0)
     ap.add_argument("--slo-tpot", type=float, default=0.5)
     ap.add_argument("--cdf-rate", type=float, default=1.0)
@@ -379,18 +424,22 @@ def main() -> None:
             res[system] = run_stack(system, requests, rates, args)
     sustained = {s: sustained_rate(r, args.slo_normalized) for s, r in res.items()}
     figures = {f"sustained_rate_{s}": v for s, v in sustained.items()}
+    bounded = [s for s, r in res.items() if meets_slo_everywhere(r, args.slo_normalized)]
     if "paged" in sustained:
         for other in ("contiguous", "hf"):
             if other in sustained:
                 figures[f"sustained_rate_ratio_vs_{other}"] = (
                     sustained["paged"] / sustained[other] if sustained[other] else math.inf)
+    sweep = slo_sweep(res, [float(x) for x in args.slo_sweep.split(",") if x])
     if args.write_docs:
-        write_docs(res, args, figures)
+        write_docs(res, args, figures, bounded, sweep)
     table = {s: {str(r): {k: v for k, v in d.items()
                           if k not in ("trace", "normalized", "e2e_all", "summary")}
                  for r, d in by.items()} for s, by in res.items()}
     if args.json:
-        print(json.dumps({**figures, "by_system": table}))
+        print(json.dumps({**figures, "slo_normalized": args.slo_normalized,
+                          "sustained_rate_lower_bound": bounded, "slo_sweep": sweep,
+                          "by_system": table}))
     else:
         for k, v in figures.items():
             print(f"{k}: {v:.3f}")
