@@ -6,7 +6,9 @@ Each step spends a token budget (max_num_batched_tokens) over, in this order:
                      when blocks run short, the lowest-priority latest-arrived running group
                      is preempted (swapped to CPU, or dropped and later recomputed)
     swapped groups   swapped back in, only in a step that preempted nothing
-    waiting groups   admitted with a first prefill chunk, only when nothing is swapped out
+    waiting groups   admitted with a first prefill chunk, only when nothing is swapped out;
+                     under the priority policy, running groups of lower priority are
+                     preempted (recompute) to admit a waiting request that does not fit
 
 Prefill chunks and decodes share a step (chunked prefill). The plan tells the executors only
 what changed: new sequences whole, known ones as token and block-table diffs. `update()`
@@ -52,7 +54,7 @@ class _Step:
     """What one schedule() call accumulates before it becomes a StepPlan."""
 
     __slots__ = ("budget", "seqs", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
-                 "finished", "preempted")
+                 "finished", "preempted", "admit_below")
 
     def __init__(self, budget: int, finished: list[int]) -> None:
         self.budget = budget
@@ -65,6 +67,9 @@ class _Step:
         self.copy: list[list[int]] = []
         self.finished = finished
         self.preempted = False
+        # Priority preemption: only groups that sort before this key are admitted this step
+        # (its victims wait at least one step: their seq ids are being dropped in this plan).
+        self.admit_below: tuple | None = None
 
 
 class Scheduler:
@@ -156,6 +161,29 @@ class Scheduler:
         self._finish_group(group)
         return out
 
+    def abort_seq(self, request_id: str, index: int, reason: str = "abort"
+                  ) -> RequestOutput | None:
+        """Finish one sequence (sample index `index`) of a request of n > 1 now and free its
+        blocks; the others go on. The request's last sequence ends the request, as
+        abort_request does. Returns its final delta, or None when there is nothing to do:
+        unknown request or index, a sequence already finished, beam search (beams are chosen
+        together), or the leader of a group that has not forked yet (the others wait for the
+        prefix it computes; it goes on, and the caller ignores its tokens)."""
+        group = self.groups.get(request_id)
+        if group is None or group.is_beam:
+            return None
+        seq = next((s for s in group.seqs if s.sample_index == index), None)
+        if seq is None:
+            return None
+        if len(group.seqs) == 1:
+            return self.abort_request(request_id, reason)
+        if group.needs_fork and seq is group.seqs[0]:
+            return None
+        seq.finish_reason = reason
+        self._finish_seq(seq)
+        return self._output(group, [SeqDelta(seq.sample_index, [], finish_reason=reason,
+                                             cumulative_logprob=seq.cumulative_logprob)])
+
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
@@ -167,6 +195,9 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update() of the previous plan")
         step = _Step(self.config.max_num_batched_tokens, self._pending_finished)
         self._pending_finished = []
+        if (self.config.policy == "priority" and self.running and self.waiting
+                and not self.swapped):
+            self._preempt_for_waiting(step)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
@@ -267,34 +298,17 @@ class Scheduler:
             if group.status != WAITING:          # aborted while queued
                 heapq.heappop(waiting)
                 continue
+            if step.admit_below is not None and group.sort_key >= step.admit_below:
+                return
             if self.num_running_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 return
             leader = group.seqs[0]
-            multi = len(group.seqs) > 1
-            target = group.fork_point if multi else len(leader.token_ids)
-            cached = []
-            if bm.enable_prefix_caching and group.prompt_logprobs is None:
-                # At least one token is computed: its logits are what we sample from.
-                cached = bm.find_cached_prefix(leader, min(target, len(leader.token_ids) - 1))
-            start = len(cached) * bs
-            if multi and start == target:
-                # The fork happens right away: every seq computes from the fork point.
-                budget = step.budget
-                need = 0
-                for s in group.seqs:
-                    t = min(len(s.token_ids) - start, budget)
-                    budget -= t
-                    need += -(-(start + t) // bs) - len(cached)
-                if bm.reserve:
-                    need = bm.reserve * len(group.seqs)
-            else:
-                t = min(target - start, step.budget)
-                need = bm.reserve if bm.reserve else -(-(start + t) // bs) - len(cached)
-            need += bm.num_revived(cached)
+            cached, need = self._admission_need(group, step.budget)
             if bm.num_free_blocks - need < self._headroom(group):
                 return
             heapq.heappop(waiting)
             self.num_waiting -= 1
+            start = len(cached) * bs
             hit = min(start, group.prompt_len)   # a recomputed seq may hit its own output too
             if bm.enable_prefix_caching and group.prompt_logprobs is None:
                 self.prefix_cache_queries += group.prompt_len
@@ -307,6 +321,86 @@ class Scheduler:
                 s.status = RUNNING
             self._start_running(group)
             self._schedule_group(group, step, may_preempt=False)
+
+    def _admission_need(self, group: SequenceGroup, budget: int) -> tuple[list[int], int]:
+        """(cached prefix blocks, free blocks it takes) to admit a waiting group with a first
+        chunk of at most `budget` tokens."""
+        bm = self.block_manager
+        bs = self.block_size
+        leader = group.seqs[0]
+        multi = len(group.seqs) > 1
+        target = group.fork_point if multi else len(leader.token_ids)
+        cached = []
+        if bm.enable_prefix_caching and group.prompt_logprobs is None:
+            # At least one token is computed: its logits are what we sample from.
+            cached = bm.find_cached_prefix(leader, min(target, len(leader.token_ids) - 1))
+        start = len(cached) * bs
+        if multi and start == target:
+            # The fork happens right away: every seq computes from the fork point.
+            need = 0
+            for s in group.seqs:
+                t = min(len(s.token_ids) - start, budget)
+                budget -= t
+                need += -(-(start + t) // bs) - len(cached)
+            if bm.reserve:
+                need = bm.reserve * len(group.seqs)
+        else:
+            t = min(target - start, budget)
+            need = bm.reserve if bm.reserve else -(-(start + t) // bs) - len(cached)
+        return cached, need + bm.num_revived(cached)
+
+    def _waiting_head(self) -> SequenceGroup | None:
+        """The next waiting group to admit (queue entries of aborted groups dropped)."""
+        waiting = self.waiting
+        while waiting and waiting[0][1].status != WAITING:
+            heapq.heappop(waiting)
+        return waiting[0][1] if waiting else None
+
+    def _preempt_for_waiting(self, step: _Step) -> None:
+        """Priority policy: when the most important waiting request cannot be admitted, preempt
+        running groups of strictly lower priority (latest first) until it can, by recompute:
+        their blocks are freed and they wait in the queue behind it.
+
+        Only when the victims together make room; never for a request of equal or lower
+        priority (so under equal priorities nothing changes: first come, first served); never
+        while groups are swapped out (they resume before any admission). Victims are chosen
+        before anything is scheduled in this step.
+        """
+        head = self._waiting_head()
+        running = self.running
+        if head is None or running[-1].priority <= head.priority:
+            return
+        bm = self.block_manager
+        cfg = self.config
+        seat_short = self.num_running_seqs + head.max_num_seqs - cfg.max_num_seqs
+        # Its first chunk shares the step with the decodes of those who stay.
+        budget = max(1, cfg.max_num_batched_tokens - self.num_running_seqs)
+        _, need = self._admission_need(head, budget)
+        block_short = need + self._headroom(head) - bm.num_free_blocks
+        if seat_short <= 0 and block_short <= 0:
+            return                                   # it fits: admitted as usual
+        ref_count = bm.gpu.ref_count
+        victims: list[SequenceGroup] = []
+        for group in reversed(running):
+            if group.priority <= head.priority or (seat_short <= 0 and block_short <= 0):
+                break
+            victims.append(group)
+            seat_short -= group.max_num_seqs
+            # Blocks it frees: those no other group maps (a shared cached prefix stays).
+            refs: dict[int, int] = {}
+            for seq in group.seqs:
+                for b in seq.block_table:
+                    refs[b] = refs.get(b, 0) + 1
+            block_short -= sum(1 for b, r in refs.items() if ref_count[b] == r)
+            # Fewer running seqs: less headroom is kept for their growth.
+            block_short -= int(cfg.growth_reserve * group.max_num_seqs)
+        if seat_short > 0 or block_short > 0:
+            return                   # even all of them would not make room: preempt nobody
+        preempted = step.preempted
+        for group in victims:
+            self._preempt(group, step, mode="recompute")
+        step.preempted = preempted   # these were for admission: the step goes on to admit
+        step.admit_below = min(g.sort_key for g in victims)
 
     def _headroom(self, group: SequenceGroup) -> int:
         """Free blocks that admitting (or swapping in) `group` must leave for the running seqs
@@ -469,10 +563,10 @@ class Scheduler:
             step.copy.extend(self.block_manager.fork(leader, seq))
         group.forked = True
 
-    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
+    def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
         """Take a running group off the GPU: swap its blocks out, or drop them to recompute."""
         bm = self.block_manager
-        mode = self.config.preemption_mode
+        mode = mode or self.config.preemption_mode
         if mode == "auto":
             mode = "swap" if len(group.seqs) > 1 else "recompute"
         if mode == "swap" and not bm.can_swap_out(group.seqs):

@@ -160,6 +160,66 @@ def test_priority_policy_admits_lower_values_first():
     assert e.final("low").finished
 
 
+def _run_until_admitted(e, rid):
+    """Step until `rid` appears in a plan's new seqs; that plan."""
+    for _ in range(100):
+        plan, _ = e.step()
+        if any(ns.request_id == rid for ns in plan.new_seqs):
+            return plan
+    raise AssertionError(f"{rid} was never admitted")
+
+
+@pytest.mark.parametrize("limit", ["seats", "blocks"])
+def test_priority_policy_preempts_less_important_running_work_for_an_arrival(limit):
+    # seats: one sequence at a time; blocks: 8 blocks of 4, "low" holds 5 by the time
+    # "high" (3 blocks for its prompt, 4 with its growth reserve) arrives.
+    cfg = dict(max_num_seqs=1) if limit == "seats" else dict(gpu=8, watermark=0.0)
+    e = Engine(policy="priority", preemption_mode="swap", **cfg)
+    e.add("low", list(range(1, 13)), max_tokens=20, priority=5)
+    for _ in range(8):
+        e.step()
+    assert e.tokens("low"), "low should be decoding"
+    low_seq = e.plans[0].new_seqs[0].seq_id
+    e.add("high", list(range(60, 71)), max_tokens=4, priority=0)
+    plan = _run_until_admitted(e, "high")
+    assert plan is e.plans[-1] and len(e.plans) == 9     # admitted in the very next step
+    assert low_seq in plan.finished_seq_ids               # by recompute, whatever the mode
+    assert not plan.swap_out and low_seq not in [ns.seq_id for ns in plan.new_seqs]
+    assert e.sched.stats().num_preemptions == 1
+    e.run()
+    assert e.tokens("high") == greedy_tokens(range(60, 71), 4)
+    assert e.tokens("low") == greedy_tokens(range(1, 13), 20)     # resumed exactly
+    assert e.sched.stats().gpu_blocks_used == 0
+
+
+@pytest.mark.parametrize("policy,priority", [("fcfs", 0), ("priority", 5)])
+def test_an_arrival_of_no_higher_priority_waits_for_running_work(policy, priority):
+    e = Engine(max_num_seqs=1, policy=policy)
+    e.add("first", list(range(1, 13)), max_tokens=10, priority=5)
+    e.step()
+    e.add("second", list(range(60, 71)), max_tokens=4, priority=priority)
+    while not (e.outputs["first"] and e.final("first").finished):
+        plan, _ = e.step()
+        assert not plan.finished_seq_ids
+        assert not any(ns.request_id == "second" for ns in plan.new_seqs)
+    e.run()
+    assert e.tokens("second") == greedy_tokens(range(60, 71), 4)
+    assert e.sched.stats().num_preemptions == 0
+
+
+def test_priority_preemption_leaves_running_work_alone_when_it_would_not_make_room():
+    # "big" needs more blocks than "low" frees: preempting low would gain nothing.
+    e = Engine(gpu=8, policy="priority", watermark=0.0, max_model_len=64)
+    e.add("low", list(range(1, 9)), max_tokens=4, priority=5)
+    e.add("mid", list(range(20, 28)), max_tokens=4, priority=0)
+    e.step()
+    e.add("big", list(range(40, 69)), max_tokens=2, priority=0)   # 8 blocks: the whole pool
+    plan, _ = e.step()
+    assert not plan.finished_seq_ids
+    e.run()
+    assert e.tokens("big") == greedy_tokens(range(40, 69), 2)
+
+
 # ---------------------------------------------------------------- preemption
 
 
@@ -184,9 +244,12 @@ def test_block_shortage_preempts_the_latest_arrival_and_recomputes_it_whole():
     assert e.tokens("b") == greedy_tokens(range(50, 57), 6)
 
 
-def test_auto_mode_swaps_a_group_of_several_seqs_and_resumes_it_before_admitting():
-    # 10 blocks: single needs 5 by its end, the group 1 shared + 4 + 4.
-    e = Engine(gpu=10, cpu=16, preemption_mode="auto", watermark=0.0, growth_reserve=0.0)
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_auto_mode_swaps_a_group_of_several_seqs_and_resumes_it_before_admitting(policy):
+    # 10 blocks: single needs 5 by its end, the group 1 shared + 4 + 4. Under the priority
+    # policy "late" outranks both, and still waits for the swapped group (nor preempts).
+    e = Engine(gpu=10, cpu=16, preemption_mode="auto", watermark=0.0, growth_reserve=0.0,
+               policy=policy)
     e.add("single", list(range(1, 9)), max_tokens=12)
     e.add("group", list(range(50, 55)), max_tokens=16, n=2)
     swapped_out = []
@@ -195,7 +258,7 @@ def test_auto_mode_swaps_a_group_of_several_seqs_and_resumes_it_before_admitting
         swapped_out = plan.swap_out
     assert swapped_out
     assert e.sched.stats().num_swapped == 1
-    e.add("late", 3, max_tokens=2)
+    e.add("late", 3, max_tokens=2, priority=-1)
     seen_swap_in = False
     while e.sched.has_unfinished():
         plan, _ = e.step()
@@ -528,6 +591,49 @@ def test_an_abort_while_a_plan_is_in_flight_drops_its_results():
     assert plan.finished_seq_ids == [plan.finished_seq_ids[0]] and len(plan.scheduled) == 1
     e.run()
     assert e.sched.stats().gpu_blocks_used == 0
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_aborting_one_sequence_of_n_frees_it_and_the_others_go_on(in_flight):
+    e = Engine(preemption_mode="recompute")
+    e.add("a", 9, max_tokens=12, n=3)
+    while len(e.tokens("a", 1)) < 3:
+        e.step()
+    seq_ids = {ns.sample_index: ns.seq_id for p in e.plans for ns in p.new_seqs}
+    used = e.sched.stats().gpu_blocks_used
+    if in_flight:
+        plan = e.sched.schedule()
+        result = e.ex.execute(plan)
+    out = e.sched.abort_seq("a", 1, "stop_string")
+    assert [(d.index, d.finish_reason) for d in out.seqs] == [(1, "stop_string")]
+    assert not out.finished
+    assert e.sched.abort_seq("a", 1) is None                  # already stopped
+    if in_flight:
+        outs = e.sched.update(plan, result)
+        assert all(d.index != 1 for o in outs for d in o.seqs)    # its sample is dropped
+        e.outputs["a"] += outs
+    assert e.sched.stats().gpu_blocks_used < used                # its own blocks are free
+    plan, _ = e.step()
+    assert seq_ids[1] in plan.finished_seq_ids
+    assert {s.seq_id for s in plan.scheduled} == {seq_ids[0], seq_ids[2]}
+    stopped_at = len(e.tokens("a", 1))
+    e.run()
+    assert len(e.tokens("a", 1)) == stopped_at
+    for i in (0, 2):
+        assert e.tokens("a", i) == greedy_tokens(range(1, 10), 12, i)
+    assert e.final("a").finished and e.sched.stats().gpu_blocks_used == 0
+
+
+def test_aborting_the_last_running_sequence_of_n_ends_the_request():
+    e = Engine()
+    e.add("a", 9, max_tokens=30, n=2)
+    while len(e.tokens("a", 0)) < 2:
+        e.step()
+    assert not e.sched.abort_seq("a", 0, "stop_string").finished
+    out = e.sched.abort_seq("a", 1, "stop_string")
+    assert out.finished and not e.sched.has_unfinished()
+    assert e.sched.stats().gpu_blocks_used == 0
+    assert e.sched.abort_seq("a", 1) is None and e.sched.abort_seq("nope", 0) is None
 
 
 def test_the_engine_core_imports_neither_torch_nor_numpy():
