@@ -56,6 +56,7 @@ class GenerationRequest:
 class AbortRequest:
     request_id: str
     reason: str = "abort"
+    index: int = -1                  # one sequence (0..n-1) of the request; -1: all of it
 
 
 # ---------------------------------------------------------------- outputs (scheduler → gateway)

@@ -144,3 +144,39 @@ def test_bad_input_is_refused_and_never_reaches_the_scheduler(stack, name, body,
     assert err["message"] and err["type"]
     assert "Traceback" not in resp.text
     assert added() == before
+
+
+def test_a_choice_ending_at_a_stop_string_stops_generating_while_the_other_goes_on(stack):
+    # First the same seeded request without a stop string, to see what each choice writes;
+    # then a stop string that only choice 0 meets, early.
+    body = {"model": MODEL, "prompt": "List some animals:", "max_tokens": 120, "n": 2,
+            "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+        free = client.post("/v1/completions", json=body).json()["choices"]
+        text0, text1 = free[0]["text"], free[1]["text"]
+        stop = next(text0[i:i + 6] for i in range(3, len(text0) - 6)
+                    if text0[i:i + 6].strip() and text0[i:i + 6] not in text1)
+        cut = text0.index(stop)
+        assert cut < len(text0) // 2, "the seeded text gives no early stop string for choice 0"
+        before = _settled(stack, "vllm:generation_tokens_total")
+        got = client.post("/v1/completions", json={**body, "stop": [stop]}).json()
+        generated = _settled(stack, "vllm:generation_tokens_total") - before
+    choices = sorted(got["choices"], key=lambda c: c["index"])
+    assert choices[0]["text"] == text0[:cut] and choices[0]["finish_reason"] == "stop"
+    assert choices[1]["text"] == text1 and choices[1]["finish_reason"] == "length"
+    # Choice 0's sequence stopped in the scheduler soon after its stop string (a few steps
+    # of lag), instead of running to max_tokens: fewer than 2 x 120 tokens were generated.
+    shown0 = got["usage"]["completion_tokens"] - 120
+    assert generated < 120 + shown0 + 20, (generated, shown0)
+
+
+def _settled(stack, name: str) -> float:
+    """A scheduler counter once it has stopped moving (it is published every 0.2 s)."""
+    value = stack.metric(name)
+    for _ in range(50):
+        time.sleep(0.3)
+        now = stack.metric(name)
+        if now == value:
+            return now
+        value = now
+    return value

@@ -109,6 +109,9 @@ class OutputProcessor:
         self.spec = spec
         self.choices = [_Choice(i, spec, vocab) for i in range(spec.n)]
         self.scheduler_finished = False   # the scheduler has released the request
+        # Choices that ended here at a stop string while the scheduler still runs their
+        # sequence (n > 1): the caller stops each one (an abort of that index), then clears.
+        self.stopped_here: list[int] = []
         self.error: tuple[str, int] | None = None   # (message, HTTP-ish status)
         self.num_cached_tokens = 0
 
@@ -126,6 +129,8 @@ class OutputProcessor:
                 delta = self.choices[d.index].advance(d, self.spec.logprobs is not None)
                 if delta is not None:
                     changed[d.index] = delta
+                    if delta.finish_reason is not None and d.finish_reason is None:
+                        self.stopped_here.append(d.index)
         if out.finished:
             self.scheduler_finished = True
             for c in self.choices:

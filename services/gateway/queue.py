@@ -99,11 +99,12 @@ class RequestQueue:
         replies = await self.call(pipe.execute())
         return replies[-5].decode()
 
-    async def abort(self, request_id: str, reason: str) -> None:
-        """Best effort: a lost abort only costs the scheduler the rest of max_tokens."""
+    async def abort(self, request_id: str, reason: str, index: int = -1) -> None:
+        """Best effort: a lost abort only costs the scheduler the rest of max_tokens.
+        `index` >= 0 stops one sequence (choice) of the request, -1 all of it."""
+        msg = encode(AbortRequest(request_id, reason, index))
         try:
-            await self.call(self.redis.xadd(self.keys.aborts,
-                                             {MSG_FIELD: encode(AbortRequest(request_id, reason))},
+            await self.call(self.redis.xadd(self.keys.aborts, {MSG_FIELD: msg},
                                              maxlen=ABORTS_MAXLEN, approximate=True))
         except QueueUnavailable as exc:
             log.warning("abort of %s not sent: %s", request_id, exc)

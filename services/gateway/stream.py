@@ -106,6 +106,16 @@ class GenerationStream:
             pass
         await self._abort_if_running("client_disconnected")
 
+    async def _stop_finished_choices(self) -> None:
+        """n > 1: a choice that ended at a stop string stops its sequence in the scheduler,
+        so that it no longer takes a batch slot while the other choices go on. (When every
+        choice is done, one abort of the whole request does that instead.)"""
+        stopped, self.proc.stopped_here = self.proc.stopped_here, []
+        if not self.proc.done and not self.proc.scheduler_finished:
+            for index in stopped:
+                self.gw.metrics.aborts.labels("stop_string_choice").inc()
+                await self.gw.queue.abort(self.spec.request_id, "stop_string", index)
+
     async def _abort_if_running(self, reason: str) -> None:
         if not self.proc.scheduler_finished:
             self.proc.scheduler_finished = True
@@ -133,6 +143,7 @@ class GenerationStream:
                     deltas[d.index].append(d)
                 if self.proc.done:
                     break
+            await self._stop_finished_choices()
         await self._abort_if_running("stop_string")
         if self.proc.error is not None:
             raise self._refusal()
@@ -159,6 +170,7 @@ class GenerationStream:
                 self.proc.process(out)
                 if self.proc.done:
                     break
+        self.proc.stopped_here = []     # the first connection stopped those choices
         self.cursor = upto
 
     async def _sse(self, send) -> None:
@@ -204,6 +216,7 @@ class GenerationStream:
                     frames.append(event(entry, self.shapes.chunk(deltas)))
                 if self.proc.done:
                     break
+            await self._stop_finished_choices()
             if self.proc.error is not None:
                 if not started:
                     raise self._refusal()

@@ -411,6 +411,11 @@ class SchedulerService:
     def _apply_inbox(self) -> None:
         now = time.time()
         for ab in self.abort_inbox:
+            if ab.index >= 0:           # one sequence (its choice ended at a stop string)
+                out = self.sched.abort_seq(ab.request_id, ab.index, ab.reason)
+                if out is not None:
+                    self.pending_outputs.append(out)
+                continue
             self.recent_aborts[ab.request_id] = now
             out = self.sched.abort_request(ab.request_id, ab.reason)
             if out is not None:

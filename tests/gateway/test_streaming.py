@@ -117,6 +117,34 @@ def test_stop_string_across_tokens_trims_text_and_aborts(http, scheduler, tokeni
     scheduler.wait_abort(rid, timeout=2)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_choice_ending_at_a_stop_string_stops_only_its_sequence(http, scheduler, tokenizer,
+                                                                  stream):
+    fut = start(http, "/v1/completions", {"prompt": "x", "max_tokens": 50, "stream": stream,
+                                          "n": 2, "stop": ["lazy dog"]})
+    rid = scheduler.take().request.request_id
+    for t in ids_of(tokenizer, "The quick brown fox jumps over the lazy dog"):
+        scheduler.emit(rid, SeqDelta(0, [t]), SeqDelta(1, [t + 1]))
+    deadline = time.monotonic() + 5
+    while not any(a.request_id == rid for a in scheduler.aborts()):
+        assert time.monotonic() < deadline, "choice 0 was not stopped in the scheduler"
+        time.sleep(0.01)
+    aborts = [a for a in scheduler.aborts() if a.request_id == rid]
+    assert [(a.index, a.reason) for a in aborts] == [(0, "stop_string")]
+    assert not fut.done()                  # choice 1 goes on
+    scheduler.emit(rid, SeqDelta(1, ids_of(tokenizer, " end"), finish_reason="length"),
+                   finished=True)
+    body = fut.result(10).text
+    if stream:
+        chunks = [e[1] for e in data_events(body) if e[1] != "[DONE]"]
+        text0 = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == 0)
+    else:
+        text0 = json.loads(body)["choices"][0]["text"]
+    assert text0 == "The quick brown fox jumps over the "
+    time.sleep(0.2)
+    assert len([a for a in scheduler.aborts() if a.request_id == rid]) == 1   # nothing more
+
+
 def test_refusal_before_streaming_is_an_http_error(http, scheduler):
     for stream in (False, True):
         fut = start(http, "/v1/completions", {"prompt": "x", "stream": stream})
