@@ -10,7 +10,8 @@ Per dtype (fp32, bf16), with the bundled SmolLM2-135M-Instruct:
     output tokens each, through a simple continuous-batching loop over ModelRunner
     (every step: decodes first, then prefill chunks up to the token budget);
   * the same prompts through transformers `generate` at its best static batch size;
-and once, the machine's fp32 matmul rate (a big sgemm), which gives the roofline
+and once, the machine's fp32 matmul rate (a big sgemm, the faster of torch's BLAS and
+oneDNN), which gives the roofline
 FLOP/s / (2 x params) tokens/s, counting every processed token (prompt and output).
 The CPUs may be shared with other work: compare ratios, and rerun when in doubt.
 """
@@ -167,15 +168,29 @@ def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tok
     return now() - t0
 
 
-def sgemm_flops(n: int = 4096, reps: int = 5) -> float:
+def sgemm_flops(n: int = 4096, reps: int = 5) -> dict[str, float]:
+    """FLOP/s of one n x n x n fp32 product by each GEMM library torch carries: its BLAS
+    (`a @ b`: MKL) and oneDNN (a packed weight, as the engine can use it). The roofline
+    takes the faster: which one wins depends on the CPU (MKL is slower on AMD)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t0 = now()
-        a @ b
-        best = min(best, now() - t0)
-    return 2 * n ** 3 / best
+    runs = {"blas": lambda: a @ b}
+    if torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
+            runs["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(
+                a, packed, None, "none", [], "")
+        except RuntimeError:
+            pass
+    out = {}
+    for name, run in runs.items():
+        run()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = now()
+            run()
+            best = min(best, now() - t0)
+        out[name] = 2 * n ** 3 / best
+    return out
 
 
 def main() -> None:
@@ -210,9 +225,12 @@ def main() -> None:
                  "hf_tok_s": {}, "processed_tok_s": {}, "threads": torch.get_num_threads(),
                  "clock": args.clock}
     res["loadavg_start"] = os.getloadavg()[0]   # other work on the CPUs skews every figure
-    flops = sgemm_flops()
+    by_lib = sgemm_flops()
+    flops = max(by_lib.values())
     res["sgemm_gflops"] = flops / 1e9
-    say(f"sgemm fp32: {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads")
+    res["sgemm_gflops_by_library"] = {k: round(v / 1e9, 1) for k, v in by_lib.items()}
+    say(f"fp32 GEMM 4096^3: {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads ("
+        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in by_lib.items()) + ")")
     for dt in dtypes:
         runner = ModelRunner(ExecutorConfig(dtype=dt, device="cpu", kv_cache_gib=2.5,
                                             swap_space_gib=0.0,

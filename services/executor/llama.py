@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -134,15 +137,15 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
 class Linear:
     """y = x W^T + b; on the CPU through a weight packed once (see `pack_for_cpu`)."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "mkl")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-        self.weight, self.bias, self.packed = weight, bias, None
+        self.weight, self.bias, self.packed, self.mkl = weight, bias, None, False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.float32:
+        if self.mkl:
             # NOTE: the last argument is the M the weight was packed for; MKL's packed B
             # layout does not depend on M (checked at pack time), so any M may use it.
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
@@ -263,18 +266,28 @@ class LlamaModel:
 
     def pack_for_cpu(self) -> bool:
         """Pack every projection once into the GEMM library's own layout, instead of letting
-        it reorder the weight on every call: fp32 through MKL's packed sgemm (1.3-1.8x at the
-        16-128 rows of decode steps on one core, equal at prefill sizes), bf16 through
-        oneDNN (3x for the LM head of a single decode, 1.1x at prefill sizes).
+        it reorder the weight on every call. bf16 goes through oneDNN (3x for the LM head of
+        a single decode, 1.1x at prefill sizes). fp32 goes through whichever of MKL's packed
+        sgemm and oneDNN is faster on this CPU for this model's weights, timed here (see
+        `_pick_fp32_gemm`): MKL on the Intel Xeons measured (1.3-1.8x the plain sgemm at
+        the 16-128 rows of decode steps), oneDNN on AMD Zen (2.3x MKL, which takes a slower
+        code path on CPUs not made by Intel).
 
         The original weights give way to zero-stride stand-ins of the same shape (the packed
         ops read only their shape), so memory stays at one copy. Returns False, changing
-        nothing, where this torch build lacks MKL/oneDNN or the fp32 check below fails.
+        nothing, where this torch build lacks MKL/oneDNN or the fp32 checks fail.
         """
         if self.device.type != "cpu":
             return False
-        if self.dtype == torch.float32 and _mkl_packed_ok():
-            pack = lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, 1)  # noqa: E731
+        mkl = False
+        if self.dtype == torch.float32:
+            sample = max((lin.weight for lin in self.linears()[:4]), key=lambda w: w.numel())
+            gemm = _pick_fp32_gemm(sample)
+            if gemm is None:
+                return False
+            mkl = gemm == "mkl"
+            pack = ((lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) if mkl
+                    else (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)))
         elif self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             pack = torch.ops.mkldnn._reorder_linear_weight
         else:
@@ -286,10 +299,77 @@ class LlamaModel:
             return False
         for lin, p in zip(self.linears(), packed):
             w = lin.weight
-            lin.packed = p
+            lin.packed, lin.mkl = p, mkl
             if lin.weight is not self.embed:
                 lin.weight = torch.zeros((), dtype=w.dtype).expand(w.shape)
         return True
+
+
+FP32_GEMMS = ("mkl", "onednn")
+
+
+def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
+    """The packed fp32 GEMM to use: "mkl", "onednn", or None (plain F.linear).
+
+    PAGEDSERVE_CPU_GEMM=mkl|onednn forces one (when it works here); by default both are
+    timed on `weight` (the largest projection of the first layer) at 64 and 512 rows, the
+    sizes of decode and prefill steps, on this process's threads (about 0.1 s at start)."""
+    usable = [g for g, ok in (("mkl", _mkl_packed_ok), ("onednn", _onednn_fp32_ok)) if ok()]
+    forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
+    if forced in FP32_GEMMS:
+        if forced not in usable:
+            log.warning("PAGEDSERVE_CPU_GEMM=%s does not work here; using %s", forced,
+                        usable[0] if usable else "the plain GEMM")
+        else:
+            return forced
+    if len(usable) < 2:
+        return usable[0] if usable else None
+    cost = {g: _time_packed_gemm(g, weight) for g in usable}
+    best = min(cost, key=cost.get)
+    log.info("fp32 GEMM: %s (%s)", best,
+             ", ".join(f"{g} {1e3 * c:.2f} ms" for g, c in cost.items()))
+    return best
+
+
+def _time_packed_gemm(gemm: str, w: torch.Tensor) -> float:
+    """Seconds for one product of 64 rows plus one of 512 rows (medians of 5)."""
+    if gemm == "mkl":
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+        run = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])  # noqa: E731
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        run = lambda x: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
+            x, packed, None, "none", [], "")
+    total = 0.0
+    with torch.inference_mode():
+        for m in (64, 512):
+            x = torch.randn(m, w.shape[1], dtype=w.dtype)
+            run(x)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                run(x)
+                times.append(time.perf_counter() - t0)
+            total += statistics.median(times)
+    return total
+
+
+def _onednn_fp32_ok() -> bool:
+    """True when oneDNN's packed fp32 linear exists here and gives F.linear's result."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        for m in (1, 7, 300):
+            x = torch.randn(m, 80, generator=g)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            if not torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5):
+                return False
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _mkl_packed_ok() -> bool:

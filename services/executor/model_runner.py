@@ -94,7 +94,7 @@ class ModelRunner:
                                 shard=shard)
         if tp > 1:
             self.model.group = self.group
-        self.packed_weights = self.model.pack_for_cpu()   # CPU fp32: MKL packed GEMM
+        self.packed_weights = self.model.pack_for_cpu()   # CPU: MKL or oneDNN packed GEMM
         self.args = self.model.args                       # this rank's slice of the heads
         self.eos_token_id = args.eos_token_ids[0] if args.eos_token_ids else None
         one = block_bytes(self.args.num_layers, self.block_size, self.args.num_kv_heads,

@@ -226,6 +226,26 @@ def test_torch_ops_path_matches_transformers_too(tiny_llama, monkeypatch):
     assert (got - hf_logits(hf, tokens, len(PROMPT))).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_each_packed_fp32_gemm_matches_transformers(tiny_llama, monkeypatch, gemm):
+    """fp32 weights are packed for MKL or oneDNN, whichever is faster on this CPU: each of
+    the two gives transformers' logits (PAGEDSERVE_CPU_GEMM forces one)."""
+    from services.executor import llama
+
+    usable = {"mkl": llama._mkl_packed_ok, "onednn": llama._onednn_fp32_ok}[gemm]()
+    if not usable:
+        pytest.skip(f"this torch build has no packed fp32 {gemm} GEMM")
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", gemm)
+    folder, hf = tiny_llama
+    r = tiny_runner(folder)
+    lins = r.model.linears()
+    assert r.packed_weights and all(lin.packed is not None for lin in lins)
+    assert all(lin.mkl == (gemm == "mkl") for lin in lins)
+    tokens = PROMPT + [8, 8, 1, 77]
+    got = teacher_forced_logits(r, tokens, len(PROMPT), chunk=5)
+    assert (got - hf_logits(hf, tokens, len(PROMPT))).abs().max() < 1e-4
+
+
 def test_bf16_runner_stays_close_to_fp32(tiny_llama):
     folder, hf = tiny_llama
     r = tiny_runner(folder, dtype="bfloat16")
