@@ -45,21 +45,36 @@ static inline const float *load_row(const void *base, int64_t off, int64_t n, in
     return buf;
 }
 
-static void attend(const float *q, const void *kc, const void *vc, int bf16,
-                   const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv,
-                   int64_t d, float *sc, int64_t max_len, float *out) {
+/* Inlined into one copy per common head size (below), so that the compiler sees `d` as a
+ * constant: the dot products and the V updates then unroll into whole vector registers
+ * with no remainder loops. */
+static inline __attribute__((always_inline)) void
+attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int32_t *table,
+            int64_t ctx, int64_t bs, int64_t hq, int64_t hkv, int64_t d, float *sc,
+            int64_t max_len, float *out) {
     float buf[MAX_ROW], acc[MAX_ROW], inv[MAX_HEADS];
     int64_t g = hq / hkv, width = hkv * d;
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {       /* scores = q . k */
         int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
         int64_t base = (int64_t)table[blk] * bs * width;
+        /* The blocks are scattered over the pool: ask for the next one while this one is
+         * read (the hardware prefetcher follows a stream, not a block table). */
+        const char *next = t0 + bs < ctx
+            ? (const char *)kc + (int64_t)table[blk + 1] * bs * width * (bf16 ? 2 : 4) : 0;
+        int64_t row_bytes = width * (bf16 ? 2 : 4);
         for (int64_t o = 0; o < n; o++) {
             const float *row = load_row(kc, base + o * width, width, bf16, buf);
-            for (int64_t j = 0; j < hq; j++) {
-                const float *qj = q + j * d, *kr = row + (j / g) * d;
-                float s = 0.f;
-                for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
-                sc[j * max_len + t0 + o] = s;
+            if (next)
+                for (int64_t b = 0; b < row_bytes; b += 64)
+                    __builtin_prefetch(next + o * row_bytes + b, 0, 3);
+            for (int64_t h = 0, j = 0; h < hkv; h++) {          /* the g heads of KV head h */
+                const float *kr = row + h * d;
+                for (int64_t jj = 0; jj < g; jj++, j++) {
+                    const float *qj = q + j * d;
+                    float s = 0.f;
+                    for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
+                    sc[j * max_len + t0 + o] = s;
+                }
             }
         }
     }
@@ -78,18 +93,40 @@ static void attend(const float *q, const void *kc, const void *vc, int bf16,
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {
         int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
         int64_t base = (int64_t)table[blk] * bs * width;
+        const char *next = t0 + bs < ctx
+            ? (const char *)vc + (int64_t)table[blk + 1] * bs * width * (bf16 ? 2 : 4) : 0;
+        int64_t row_bytes = width * (bf16 ? 2 : 4);
         for (int64_t o = 0; o < n; o++) {
             const float *row = load_row(vc, base + o * width, width, bf16, buf);
-            for (int64_t j = 0; j < hq; j++) {
-                float p = sc[j * max_len + t0 + o];
-                const float *vr = row + (j / g) * d;
-                float *a = acc + j * d;
-                for (int64_t i = 0; i < d; i++) a[i] += p * vr[i];
+            if (next)
+                for (int64_t b = 0; b < row_bytes; b += 64)
+                    __builtin_prefetch(next + o * row_bytes + b, 0, 3);
+            for (int64_t h = 0, j = 0; h < hkv; h++) {
+                const float *vr = row + h * d;
+                for (int64_t jj = 0; jj < g; jj++, j++) {
+                    float p = sc[j * max_len + t0 + o];
+                    float *a = acc + j * d;
+                    for (int64_t i = 0; i < d; i++) a[i] += p * vr[i];
+                }
             }
         }
     }
     for (int64_t j = 0; j < hq; j++)
         for (int64_t i = 0; i < d; i++) out[j * d + i] = acc[j * d + i] * inv[j];
+}
+
+#define ATTEND_ARGS const float *q, const void *kc, const void *vc, int bf16, \
+    const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv, int64_t d, \
+    float *sc, int64_t max_len, float *out
+#define ATTEND_PASS(D) attend_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, out)
+static void attend_d64(ATTEND_ARGS) { (void)d; ATTEND_PASS(64); }
+static void attend_d128(ATTEND_ARGS) { (void)d; ATTEND_PASS(128); }
+static void attend_any(ATTEND_ARGS) { ATTEND_PASS(d); }
+
+static void attend(ATTEND_ARGS) {
+    if (d == 64) attend_d64(q, kc, vc, bf16, table, ctx, bs, hq, hkv, d, sc, max_len, out);
+    else if (d == 128) attend_d128(q, kc, vc, bf16, table, ctx, bs, hq, hkv, d, sc, max_len, out);
+    else attend_any(q, kc, vc, bf16, table, ctx, bs, hq, hkv, d, sc, max_len, out);
 }
 
 /* Returns 0, or -1 when a dimension exceeds the fixed buffers (the caller falls back). */
