@@ -334,7 +334,9 @@ class Stack:
             port = free_port()
             proc = self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1",
                                          "--save", "", "--appendonly", "no", "--dir", self.tmp,
-                                         "--loglevel", "warning"])
+                                         "--loglevel", "warning",
+                                         # its start-up banner would mix into our stdout
+                                         "--logfile", os.path.join(self.tmp, "redis.log")])
             a.redis_url = f"redis://127.0.0.1:{port}/0"
             import redis
             self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
