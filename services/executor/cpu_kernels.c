@@ -45,28 +45,36 @@ static inline const float *load_row(const void *base, int64_t off, int64_t n, in
     return buf;
 }
 
-/* Inlined into one copy per common head size (below), so that the compiler sees `d` as a
- * constant: the dot products and the V updates then unroll into whole vector registers
- * with no remainder loops. */
+/* The blocks are scattered over the pool: while block `blk` is read, ask for the next one
+ * of the table (the hardware prefetcher follows a stream, not a block table). Returns the
+ * next block's first byte, or NULL at the last block. */
+static inline const char *next_block(const void *cache, const int32_t *table, int64_t blk,
+                                     int64_t t0, int64_t ctx, int64_t bs, int64_t row_bytes) {
+    return t0 + bs < ctx ? (const char *)cache + (int64_t)table[blk + 1] * bs * row_bytes : 0;
+}
+
+static inline void prefetch_row(const char *next, int64_t o, int64_t row_bytes) {
+    if (next)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b, 0, 3);
+}
+
+/* Inlined into one copy per common head size (attend, below), so that the compiler sees
+ * `d` as a constant: the dot products and the V updates unroll into whole vector registers
+ * with no remainder loops (43 -> 21 ms per decode step with the loop order below; either
+ * change alone gives about 43). */
 static inline __attribute__((always_inline)) void
 attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int32_t *table,
             int64_t ctx, int64_t bs, int64_t hq, int64_t hkv, int64_t d, float *sc,
             int64_t max_len, float *out) {
     float buf[MAX_ROW], acc[MAX_ROW], inv[MAX_HEADS];
-    int64_t g = hq / hkv, width = hkv * d;
+    int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {       /* scores = q . k */
         int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
         int64_t base = (int64_t)table[blk] * bs * width;
-        /* The blocks are scattered over the pool: ask for the next one while this one is
-         * read (the hardware prefetcher follows a stream, not a block table). */
-        const char *next = t0 + bs < ctx
-            ? (const char *)kc + (int64_t)table[blk + 1] * bs * width * (bf16 ? 2 : 4) : 0;
-        int64_t row_bytes = width * (bf16 ? 2 : 4);
+        const char *next = next_block(kc, table, blk, t0, ctx, bs, row_bytes);
         for (int64_t o = 0; o < n; o++) {
             const float *row = load_row(kc, base + o * width, width, bf16, buf);
-            if (next)
-                for (int64_t b = 0; b < row_bytes; b += 64)
-                    __builtin_prefetch(next + o * row_bytes + b, 0, 3);
+            prefetch_row(next, o, row_bytes);
             for (int64_t h = 0, j = 0; h < hkv; h++) {          /* the g heads of KV head h */
                 const float *kr = row + h * d;
                 for (int64_t jj = 0; jj < g; jj++, j++) {
@@ -93,14 +101,10 @@ attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int3
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {
         int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
         int64_t base = (int64_t)table[blk] * bs * width;
-        const char *next = t0 + bs < ctx
-            ? (const char *)vc + (int64_t)table[blk + 1] * bs * width * (bf16 ? 2 : 4) : 0;
-        int64_t row_bytes = width * (bf16 ? 2 : 4);
+        const char *next = next_block(vc, table, blk, t0, ctx, bs, row_bytes);
         for (int64_t o = 0; o < n; o++) {
             const float *row = load_row(vc, base + o * width, width, bf16, buf);
-            if (next)
-                for (int64_t b = 0; b < row_bytes; b += 64)
-                    __builtin_prefetch(next + o * row_bytes + b, 0, 3);
+            prefetch_row(next, o, row_bytes);
             for (int64_t h = 0, j = 0; h < hkv; h++) {
                 const float *vr = row + h * d;
                 for (int64_t jj = 0; jj < g; jj++, j++) {
@@ -115,18 +119,14 @@ attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int3
         for (int64_t i = 0; i < d; i++) out[j * d + i] = acc[j * d + i] * inv[j];
 }
 
-#define ATTEND_ARGS const float *q, const void *kc, const void *vc, int bf16, \
-    const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv, int64_t d, \
-    float *sc, int64_t max_len, float *out
-#define ATTEND_PASS(D) attend_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, out)
-static void attend_d64(ATTEND_ARGS) { (void)d; ATTEND_PASS(64); }
-static void attend_d128(ATTEND_ARGS) { (void)d; ATTEND_PASS(128); }
-static void attend_any(ATTEND_ARGS) { ATTEND_PASS(d); }
-
-static void attend(ATTEND_ARGS) {
-    if (d == 64) attend_d64(q, kc, vc, bf16, table, ctx, bs, hq, hkv, d, sc, max_len, out);
-    else if (d == 128) attend_d128(q, kc, vc, bf16, table, ctx, bs, hq, hkv, d, sc, max_len, out);
-    else attend_any(q, kc, vc, bf16, table, ctx, bs, hq, hkv, d, sc, max_len, out);
+static void attend(const float *q, const void *kc, const void *vc, int bf16,
+                   const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv,
+                   int64_t d, float *sc, int64_t max_len, float *out) {
+#define ATTEND(D) attend_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, out)
+    if (d == 64) ATTEND(64);
+    else if (d == 128) ATTEND(128);
+    else ATTEND(d);
+#undef ATTEND
 }
 
 /* Returns 0, or -1 when a dimension exceeds the fixed buffers (the caller falls back). */

@@ -286,8 +286,7 @@ class LlamaModel:
             if gemm is None:
                 return False
             mkl = gemm == "mkl"
-            pack = ((lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) if mkl
-                    else (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)))
+            pack = lambda w: _fp32_gemm(gemm, w)[0]  # noqa: E731
         elif self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             pack = torch.ops.mkldnn._reorder_linear_weight
         else:
@@ -314,7 +313,7 @@ def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
     PAGEDSERVE_CPU_GEMM=mkl|onednn forces one (when it works here); by default both are
     timed on `weight` (the largest projection of the first layer) at 64 and 512 rows, the
     sizes of decode and prefill steps, on this process's threads (about 0.1 s at start)."""
-    usable = [g for g, ok in (("mkl", _mkl_packed_ok), ("onednn", _onednn_fp32_ok)) if ok()]
+    usable = [g for g in FP32_GEMMS if _fp32_gemm_ok(g)]
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
     if forced in FP32_GEMMS:
         if forced not in usable:
@@ -331,15 +330,35 @@ def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
     return best
 
 
-def _time_packed_gemm(gemm: str, w: torch.Tensor) -> float:
-    """Seconds for one product of 64 rows plus one of 512 rows (medians of 5)."""
+def _fp32_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None):
+    """(packed weight, run) of one packed fp32 GEMM; run(x) = x W^T + b. (Linear.__call__
+    makes the same calls on its hot path without the closure.)"""
     if gemm == "mkl":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
-        run = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])  # noqa: E731
-    else:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        run = lambda x: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
-            x, packed, None, "none", [], "")
+        return packed, lambda x: torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return packed, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def _fp32_gemm_ok(gemm: str) -> bool:
+    """True when this packed GEMM exists here and gives F.linear's result, also for row
+    counts other than the one it was packed for (MKL's packed layout is M-independent in
+    MKL 2024)."""
+    if gemm == "onednn" and not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+        _, run = _fp32_gemm(gemm, w, b)
+        return all(torch.allclose(run(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+                   for x in (torch.randn(m, 80, generator=g) for m in (1, 7, 300)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _time_packed_gemm(gemm: str, w: torch.Tensor) -> float:
+    """Seconds for one product of 64 rows plus one of 512 rows (medians of 5)."""
+    _, run = _fp32_gemm(gemm, w)
     total = 0.0
     with torch.inference_mode():
         for m in (64, 512):
@@ -352,41 +371,6 @@ def _time_packed_gemm(gemm: str, w: torch.Tensor) -> float:
                 times.append(time.perf_counter() - t0)
             total += statistics.median(times)
     return total
-
-
-def _onednn_fp32_ok() -> bool:
-    """True when oneDNN's packed fp32 linear exists here and gives F.linear's result."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        for m in (1, 7, 300):
-            x = torch.randn(m, 80, generator=g)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-            if not torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5):
-                return False
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _mkl_packed_ok() -> bool:
-    """True when MKL's packed linear exists and gives F.linear's result for row counts other
-    than the one it was packed for (the layout is M-independent in MKL 2024)."""
-    try:
-        g = torch.Generator().manual_seed(0)
-        w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
-        for m in (1, 7, 300):
-            x = torch.randn(m, 80, generator=g)
-            got = torch.ops.mkl._mkl_linear(x, packed, w, b, m)
-            if not torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5):
-                return False
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

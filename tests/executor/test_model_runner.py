@@ -232,8 +232,7 @@ def test_each_packed_fp32_gemm_matches_transformers(tiny_llama, monkeypatch, gem
     the two gives transformers' logits (PAGEDSERVE_CPU_GEMM forces one)."""
     from services.executor import llama
 
-    usable = {"mkl": llama._mkl_packed_ok, "onednn": llama._onednn_fp32_ok}[gemm]()
-    if not usable:
+    if not llama._fp32_gemm_ok(gemm):
         pytest.skip(f"this torch build has no packed fp32 {gemm} GEMM")
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", gemm)
     folder, hf = tiny_llama
