@@ -7,12 +7,15 @@
  *   add_rms_norm             residual += h; out = rms_norm(residual) * w        (fp32)
  *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
  *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
+ *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
+ *   linear_packed            panels (AVX-512 only; see the section below)
  *
  * Why C: decode attention on a CPU is bound by memory traffic. The torch path gathers
  * every sequence's blocks into a padded copy and reads that copy again: three times the
  * traffic of reading the pool in place. The three elementwise kernels each replace four
  * to seven torch ops (one pass over the rows instead of one per op).
  */
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -207,3 +210,130 @@ void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const 
         }
     }
 }
+
+/* ------------------------------------------------------------ fp32 GEMM, packed weight
+ *
+ * y [M, N] = x [M, K] W^T + b, W an nn.Linear weight [N, K]. Decode steps multiply few
+ * rows (one per running sequence) by every weight of the model, which comes from memory
+ * each step: at 64 rows oneDNN and MKL reach about 60 % of their large-matrix rate here,
+ * because they leave the weight stream to the hardware prefetcher. This kernel asks for
+ * the weight ahead of time itself.
+ *
+ * Packed layout: W in panels of NR = 32 output columns, panel p = [K][32] floats
+ * (columns past N are zero), so a panel is one contiguous stream and each k-step of the
+ * micro-kernel loads one 128-byte row of it. Each thread takes a contiguous range of
+ * panels. For each panel the micro-kernel computes tiles of up to MR = 14 rows x 32
+ * columns in 28 vector accumulators (row values broadcast from x, which stays in L2),
+ * and while it does, it prefetches the thread's next panel into L2, spread evenly over
+ * the panel's tiles: one line every few k-steps instead of a burst that stalls the FMAs.
+ * Rows are taken in blocks of about 1 MiB of x, so that large prefill batches also stay in
+ * L2. Measured on 2 cores (Xeon with AVX-512, SmolLM2's four projections, 30 layers, the
+ * weights cold): 64 rows 250 GFLOP/s against oneDNN's 170; 128 rows 270 against 220;
+ * equal at 256; about 10 % behind oneDNN from 512 rows.
+ */
+#define GEMM_NR 32
+#define GEMM_MR 14
+
+#ifdef __AVX512F__
+int linear_packed_available(void) { return 1; }
+
+void pack_linear_weight(const float *w, int64_t n, int64_t k, float *out, int num_threads) {
+    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < GEMM_NR; j++) {
+                int64_t col = p * GEMM_NR + j;
+                out[(p * k + kk) * GEMM_NR + j] = col < n ? w[col * k + kk] : 0.f;
+            }
+}
+
+/* One tile: y[0:mr, 0:32] = x[0:mr, :] . panel + bias, masked to the valid columns.
+ * `mr` is a constant in each copy made by gemm_tile, so acc lives in registers. While
+ * it runs, lines [0, nlines) of `pf` are prefetched, `per` every `every` k-steps. */
+static inline __attribute__((always_inline)) void
+gemm_tile_impl(const int mr, const float *x, int64_t ldx, const float *panel, int64_t k,
+               const float *bias, __mmask16 m0, __mmask16 m1, float *y, int64_t ldy,
+               const float *pf, int64_t every, int64_t per, int64_t nlines) {
+    __m512 acc[GEMM_MR][2];
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = b0;
+        acc[r][1] = b1;
+    }
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m512 w0 = _mm512_load_ps(panel + kk * GEMM_NR);
+        __m512 w1 = _mm512_load_ps(panel + kk * GEMM_NR + 16);
+        if (kk % every == 0)
+            for (int64_t j = kk / every * per, e = j + per; j < e && j < nlines; j++)
+                _mm_prefetch((const char *)(pf + j * 16), _MM_HINT_T1);
+        for (int r = 0; r < mr; r++) {
+            __m512 a = _mm512_set1_ps(x[r * ldx + kk]);
+            acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+    }
+}
+
+static void gemm_tile(int mr, const float *x, int64_t ldx, const float *panel, int64_t k,
+                      const float *bias, __mmask16 m0, __mmask16 m1, float *y, int64_t ldy,
+                      const float *pf, int64_t every, int64_t per, int64_t nlines) {
+    switch (mr) {
+#define TILE(R) case R: gemm_tile_impl(R, x, ldx, panel, k, bias, m0, m1, y, ldy, pf, every, \
+                                       per, nlines); break;
+    TILE(14) TILE(13) TILE(12) TILE(11) TILE(10) TILE(9) TILE(8)
+    TILE(7) TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) TILE(1)
+#undef TILE
+    }
+}
+
+static inline __mmask16 lanes(int64_t n) {            /* the first n of 16 lanes */
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+/* x [M, K] rows `ldx` apart; packed from pack_linear_weight; bias [N] or NULL;
+ * y [M, N] rows `ldy` apart. */
+void linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
+                   int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
+    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+    int64_t lines = k * GEMM_NR / 16;                            /* 64-byte lines per panel */
+    int64_t block = (1 << 20) / (4 * k) / GEMM_MR * GEMM_MR;     /* rows of x per ~1 MiB */
+    if (block < GEMM_MR) block = GEMM_MR;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t i0 = 0; i0 < m; i0 += block) {
+            int64_t i1 = i0 + block < m ? i0 + block : m;
+            /* equal tiles: 64 rows are 13+13+13+13+12, not 14+14+14+14+8 */
+            int64_t tiles = (i1 - i0 + GEMM_MR - 1) / GEMM_MR;
+            int64_t rows = (i1 - i0 + tiles - 1) / tiles;
+            int64_t share = (lines + tiles - 1) / tiles;          /* lines to fetch per tile */
+            int64_t per = (share + k - 1) / k, every = k * per / share;
+            for (int64_t p = p0; p < p1; p++) {
+                const float *panel = packed + p * k * GEMM_NR;
+                const float *next = p + 1 < p1 ? panel + k * GEMM_NR : panel;
+                __mmask16 m0 = lanes(n - p * GEMM_NR), m1 = lanes(n - p * GEMM_NR - 16);
+                const float *b = bias ? bias + p * GEMM_NR : NULL;
+                for (int64_t i = i0, tile = 0; i < i1; i += rows, tile++) {
+                    int mr = (int)(i1 - i < rows ? i1 - i : rows);
+                    int64_t first = tile * share;
+                    int64_t nl = lines - first < share ? lines - first : share;
+                    gemm_tile(mr, x + i * ldx, ldx, panel, k, b, m0, m1, y + i * ldy + p * GEMM_NR,
+                              ldy, next + first * 16, every, per, nl);
+                }
+            }
+        }
+    }
+}
+#else
+int linear_packed_available(void) { return 0; }
+void pack_linear_weight(const float *w, int64_t n, int64_t k, float *out, int num_threads) {}
+void linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
+                   int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {}
+#endif

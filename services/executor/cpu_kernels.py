@@ -78,6 +78,12 @@ def _load() -> ctypes.CDLL:
     lib.silu_and_mul.restype = None
     lib.rope_and_cache.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
     lib.rope_and_cache.restype = None
+    lib.linear_packed_available.argtypes = []
+    lib.linear_packed_available.restype = i32
+    lib.pack_linear_weight.argtypes = [p, i64, i64, p, i32]
+    lib.pack_linear_weight.restype = None
+    lib.linear_packed.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+    lib.linear_packed.restype = None
     return lib
 
 
@@ -137,3 +143,35 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                              sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
                              v_cache.data_ptr(), t, num_heads, num_kv_heads, d,
                              torch.get_num_threads())
+
+
+GEMM_NR = 32     # output columns per packed panel (cpu_kernels.c)
+
+
+def linear_available() -> bool:
+    """True when the packed fp32 GEMM was built (it needs AVX-512)."""
+    lib = kernels()
+    return lib is not None and bool(lib.linear_packed_available())
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 nn.Linear weight [N, K] in the panel layout of `linear` (1-D, 64-byte aligned
+    by torch's allocator, columns past N zero)."""
+    n, k = weight.shape
+    w = weight.float().contiguous()
+    out = torch.empty(-(-n // GEMM_NR) * k * GEMM_NR, dtype=torch.float32)
+    kernels().pack_linear_weight(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T + bias -> [M, N] (into `out` when given, contiguous), W packed by
+    `pack_linear`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    kernels().linear_packed(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
+                            y.data_ptr(), n, torch.get_num_threads())
+    return y

@@ -135,17 +135,22 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
 
 
 class Linear:
-    """y = x W^T + b; on the CPU through a weight packed once (see `pack_for_cpu`)."""
+    """y = x W^T + b; on the CPU through a weight packed once (see `pack_for_cpu`).
 
-    __slots__ = ("weight", "bias", "packed", "mkl")
+    `gemm` names the library of the packed weight: "avx512" (cpu_kernels.c), "mkl" or
+    "onednn" (fp32 and bf16); None while the weight is not packed."""
+
+    __slots__ = ("weight", "bias", "packed", "gemm")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-        self.weight, self.bias, self.packed, self.mkl = weight, bias, None, False
+        self.weight, self.bias, self.packed, self.gemm = weight, bias, None, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if self.mkl:
+        if self.gemm == "avx512":
+            return cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
+        if self.gemm == "mkl":
             # NOTE: the last argument is the M the weight was packed for; MKL's packed B
             # layout does not depend on M (checked at pack time), so any M may use it.
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
@@ -267,10 +272,11 @@ class LlamaModel:
     def pack_for_cpu(self) -> bool:
         """Pack every projection once into the GEMM library's own layout, instead of letting
         it reorder the weight on every call. bf16 goes through oneDNN (3x for the LM head of
-        a single decode, 1.1x at prefill sizes). fp32 goes through whichever of MKL's packed
-        sgemm and oneDNN is faster on this CPU for this model's weights, timed here (see
-        `_pick_fp32_gemm`): MKL on the Intel Xeons measured (1.3-1.8x the plain sgemm at
-        the 16-128 rows of decode steps), oneDNN on AMD Zen (2.3x MKL, which takes a slower
+        a single decode, 1.1x at prefill sizes). fp32 goes through whichever of the engine's
+        own AVX-512 GEMM (cpu_kernels.c), MKL's packed sgemm and oneDNN is fastest on this
+        CPU for this model's weights, timed here (see `_pick_fp32_gemm`). Measured: the
+        AVX-512 kernel on an Intel Xeon (1.5x oneDNN at the 64 rows of decode steps, on
+        weights that come from memory); oneDNN on AMD Zen 5 (2.3x MKL, which takes a slower
         code path on CPUs not made by Intel).
 
         The original weights give way to zero-stride stand-ins of the same shape (the packed
@@ -279,16 +285,14 @@ class LlamaModel:
         """
         if self.device.type != "cpu":
             return False
-        mkl = False
         if self.dtype == torch.float32:
             sample = max((lin.weight for lin in self.linears()[:4]), key=lambda w: w.numel())
             gemm = _pick_fp32_gemm(sample)
             if gemm is None:
                 return False
-            mkl = gemm == "mkl"
             pack = lambda w: _fp32_gemm(gemm, w)[0]  # noqa: E731
         elif self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-            pack = torch.ops.mkldnn._reorder_linear_weight
+            gemm, pack = "onednn", torch.ops.mkldnn._reorder_linear_weight
         else:
             return False
         try:
@@ -298,21 +302,23 @@ class LlamaModel:
             return False
         for lin, p in zip(self.linears(), packed):
             w = lin.weight
-            lin.packed, lin.mkl = p, mkl
+            lin.packed, lin.gemm = p, gemm
             if lin.weight is not self.embed:
                 lin.weight = torch.zeros((), dtype=w.dtype).expand(w.shape)
         return True
 
 
-FP32_GEMMS = ("mkl", "onednn")
+FP32_GEMMS = ("avx512", "mkl", "onednn")
 
 
 def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
-    """The packed fp32 GEMM to use: "mkl", "onednn", or None (plain F.linear).
+    """The packed fp32 GEMM to use: "avx512", "mkl", "onednn", or None (plain F.linear).
 
-    PAGEDSERVE_CPU_GEMM=mkl|onednn forces one (when it works here); by default both are
-    timed on `weight` (the largest projection of the first layer) at 64 and 512 rows, the
-    sizes of decode and prefill steps, on this process's threads (about 0.1 s at start)."""
+    PAGEDSERVE_CPU_GEMM=avx512|mkl|onednn forces one (when it works here); by default each
+    is timed on `weight` (the largest projection of the first layer) at 64 and 512 rows, the
+    sizes of decode and prefill steps, with the weight coming from memory, on this
+    process's threads (about 0.3 s at start), and the one with the lowest time per row,
+    summed over the two sizes, wins."""
     usable = [g for g in FP32_GEMMS if _fp32_gemm_ok(g)]
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
     if forced in FP32_GEMMS:
@@ -323,16 +329,21 @@ def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
             return forced
     if len(usable) < 2:
         return usable[0] if usable else None
-    cost = {g: _time_packed_gemm(g, weight) for g in usable}
+    evict = torch.ones(EVICT_BYTES // 4)
+    cost = {g: _time_packed_gemm(g, weight, evict) for g in usable}
+    del evict
     best = min(cost, key=cost.get)
-    log.info("fp32 GEMM: %s (%s)", best,
-             ", ".join(f"{g} {1e3 * c:.2f} ms" for g, c in cost.items()))
+    log.info("fp32 GEMM: %s (per row at 64 + at 512 rows: %s)", best,
+             ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
     return best
 
 
 def _fp32_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None):
     """(packed weight, run) of one packed fp32 GEMM; run(x) = x W^T + b. (Linear.__call__
     makes the same calls on its hot path without the closure.)"""
+    if gemm == "avx512":
+        packed = cpu_kernels.pack_linear(w)
+        return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
     if gemm == "mkl":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
         return packed, lambda x: torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
@@ -346,6 +357,8 @@ def _fp32_gemm_ok(gemm: str) -> bool:
     MKL 2024)."""
     if gemm == "onednn" and not torch.backends.mkldnn.is_available():
         return False
+    if gemm == "avx512" and not cpu_kernels.linear_available():
+        return False
     try:
         g = torch.Generator().manual_seed(0)
         w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
@@ -356,8 +369,17 @@ def _fp32_gemm_ok(gemm: str) -> bool:
         return False
 
 
-def _time_packed_gemm(gemm: str, w: torch.Tensor) -> float:
-    """Seconds for one product of 64 rows plus one of 512 rows (medians of 5)."""
+# Bytes read between timed products so that the weight comes from memory, as it does in a
+# decode step (every weight of the model is read once per step): more than this machine's
+# last-level cache share (caches stopped helping reads at 128-256 MiB on the 2-core Xeon).
+EVICT_BYTES = 256 << 20
+
+
+def _time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
+    """Seconds per row of one product of 64 rows plus per row of one of 512 rows (medians
+    of 3), each with the weight evicted from the caches first by reading `evict`: a decode
+    row and a prefill row weigh the same. (With the weight in cache, the ranking at 64
+    rows differs: on the 2-core Xeon oneDNN lost 1.3x in cache but 1.5x from memory.)"""
     _, run = _fp32_gemm(gemm, w)
     total = 0.0
     with torch.inference_mode():
@@ -365,11 +387,12 @@ def _time_packed_gemm(gemm: str, w: torch.Tensor) -> float:
             x = torch.randn(m, w.shape[1], dtype=w.dtype)
             run(x)
             times = []
-            for _ in range(5):
+            for _ in range(3):
+                evict.sum()
                 t0 = time.perf_counter()
                 run(x)
                 times.append(time.perf_counter() - t0)
-            total += statistics.median(times)
+            total += statistics.median(times) / m
     return total
 
 

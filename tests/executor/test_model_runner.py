@@ -226,20 +226,20 @@ def test_torch_ops_path_matches_transformers_too(tiny_llama, monkeypatch):
     assert (got - hf_logits(hf, tokens, len(PROMPT))).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+@pytest.mark.parametrize("gemm", ["avx512", "mkl", "onednn"])
 def test_each_packed_fp32_gemm_matches_transformers(tiny_llama, monkeypatch, gemm):
-    """fp32 weights are packed for MKL or oneDNN, whichever is faster on this CPU: each of
-    the two gives transformers' logits (PAGEDSERVE_CPU_GEMM forces one)."""
+    """fp32 weights are packed for the engine's AVX-512 GEMM, MKL or oneDNN, whichever is
+    fastest on this CPU: each gives transformers' logits (PAGEDSERVE_CPU_GEMM forces one)."""
     from services.executor import llama
 
     if not llama._fp32_gemm_ok(gemm):
-        pytest.skip(f"this torch build has no packed fp32 {gemm} GEMM")
+        pytest.skip(f"no packed fp32 {gemm} GEMM here (torch build or CPU)")
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", gemm)
     folder, hf = tiny_llama
     r = tiny_runner(folder)
     lins = r.model.linears()
     assert r.packed_weights and all(lin.packed is not None for lin in lins)
-    assert all(lin.mkl == (gemm == "mkl") for lin in lins)
+    assert all(lin.gemm == gemm for lin in lins)
     tokens = PROMPT + [8, 8, 1, 77]
     got = teacher_forced_logits(r, tokens, len(PROMPT), chunk=5)
     assert (got - hf_logits(hf, tokens, len(PROMPT))).abs().max() < 1e-4

@@ -1,0 +1,48 @@
+"""The packed fp32 GEMM of cpu_kernels.c against F.linear, on the shapes its tiling has to
+get right: N not a multiple of the 32-column panel, row counts around the 14-row tile and
+past the ~1 MiB row block, strided rows of x, bias or none, one thread or two."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.executor import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.linear_available(),
+                                reason="the packed fp32 GEMM needs a C compiler and AVX-512")
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 3), (33, 80), (96, 576), (100, 1536),
+                                 (3072, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear_everywhere_it_writes(n, k, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_kernels.pack_linear(w)
+    assert packed.numel() == -(-n // 32) * 32 * k
+    # 300 rows at K=1536 span two row blocks; 13/14/15 straddle one tile
+    for m in (1, 5, 13, 14, 15, 64, 300):
+        x = torch.randn(m, k + 7, generator=g)[:, :k]     # rows k + 7 floats apart
+        out = torch.full((m, n), float("nan"))            # a column never written stays NaN
+        cpu_kernels.linear(x, packed, n, b, out=out)
+        ref = F.linear(x, w, b)
+        assert torch.isfinite(out).all(), (m, n, k)
+        assert (out - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (m, n, k)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_is_the_same_on_any_number_of_threads(threads):
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(960, 576, generator=g), torch.randn(64, 576, generator=g)
+    packed = cpu_kernels.pack_linear(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = cpu_kernels.linear(x, packed, 960)
+    finally:
+        torch.set_num_threads(before)
+    # each output element is one dot product in a fixed order, whatever the thread split
+    assert torch.equal(got, cpu_kernels.linear(x, packed, 960))
+    assert (got - F.linear(x, w)).abs().max() < 1e-4
