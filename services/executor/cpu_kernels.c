@@ -8,7 +8,8 @@
  *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
  *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
  *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
- *   linear_packed            panels (AVX-512 only; see the section below)
+ *   linear_packed            panels (AVX-512 only; see the section below); optionally
+ *                            y += x W^T + b, or silu(gate) * up of a [gate | up] weight
  *
  * Why C: decode attention on a CPU is bound by memory traffic. The torch path gathers
  * every sequence's blocks into a padded copy and reads that copy again: three times the
@@ -19,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_ROW 16384    /* floats: Hq * D of one token (and Hkv * D <= Hq * D) */
@@ -237,24 +239,37 @@ void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const 
 #ifdef __AVX512F__
 int linear_packed_available(void) { return 1; }
 
-void pack_linear_weight(const float *w, int64_t n, int64_t k, float *out, int num_threads) {
-    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+/* w [N, K] -> panels of 32 columns. With glu = 1, w is a fused [gate | up] weight [2I, K]
+ * (N = 2I) and each panel holds 16 gate columns, then the 16 up columns of the same
+ * outputs, so that one tile ends with both halves of silu(gate) * up in registers. */
+void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
+                        int num_threads) {
+    int64_t half = n / 2, panels = glu ? (half + 15) / 16 : (n + GEMM_NR - 1) / GEMM_NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t kk = 0; kk < k; kk++)
             for (int64_t j = 0; j < GEMM_NR; j++) {
-                int64_t col = p * GEMM_NR + j;
-                out[(p * k + kk) * GEMM_NR + j] = col < n ? w[col * k + kk] : 0.f;
+                int64_t col = p * GEMM_NR + j, ok = col < n;
+                if (glu) {
+                    col = p * 16 + j % 16;
+                    ok = col < half;
+                    col += j < 16 ? 0 : half;
+                }
+                out[(p * k + kk) * GEMM_NR + j] = ok ? w[col * k + kk] : 0.f;
             }
 }
 
-/* One tile: y[0:mr, 0:32] = x[0:mr, :] . panel + bias, masked to the valid columns.
- * `mr` is a constant in each copy made by gemm_tile, so acc lives in registers. While
- * it runs, lines [0, nlines) of `pf` are prefetched, `per` every `every` k-steps. */
+enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
+
+/* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:32] = r (EPI_STORE),
+ * y += r (EPI_ADD), or y[0:mr, 0:16] = silu(r[:, :16]) * r[:, 16:] (EPI_GLU), masked to
+ * the valid columns. `mr` is a constant in each copy made by gemm_tile, so acc lives in
+ * registers. While it runs, lines [0, nlines) of `pf` are prefetched, `per` every
+ * `every` k-steps. */
 static inline __attribute__((always_inline)) void
-gemm_tile_impl(const int mr, const float *x, int64_t ldx, const float *panel, int64_t k,
+gemm_tile_impl(const int mr, const float *xt, const float *panel, int64_t k,
                const float *bias, __mmask16 m0, __mmask16 m1, float *y, int64_t ldy,
-               const float *pf, int64_t every, int64_t per, int64_t nlines) {
+               const float *pf, int64_t every, int64_t per, int64_t nlines, int epi) {
     __m512 acc[GEMM_MR][2];
     __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
@@ -262,30 +277,47 @@ gemm_tile_impl(const int mr, const float *x, int64_t ldx, const float *panel, in
         acc[r][0] = b0;
         acc[r][1] = b1;
     }
-    for (int64_t kk = 0; kk < k; kk++) {
+    for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
         __m512 w0 = _mm512_load_ps(panel + kk * GEMM_NR);
         __m512 w1 = _mm512_load_ps(panel + kk * GEMM_NR + 16);
-        if (kk % every == 0)
-            for (int64_t j = kk / every * per, e = j + per; j < e && j < nlines; j++)
-                _mm_prefetch((const char *)(pf + j * 16), _MM_HINT_T1);
+        if (--wait <= 0) {                 /* a countdown: no division in this loop */
+            wait = every;
+            for (int64_t e = line + per; line < e && line < nlines; line++)
+                _mm_prefetch((const char *)(pf + line * 16), _MM_HINT_T1);
+        }
         for (int r = 0; r < mr; r++) {
-            __m512 a = _mm512_set1_ps(x[r * ldx + kk]);
+            __m512 a = _mm512_set1_ps(xt[kk * mr + r]);
             acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
         }
     }
+    if (epi == EPI_GLU) {       /* the scalar formula of silu_and_mul, vectorised by gcc */
+        float g[GEMM_MR * 16], u[GEMM_MR * 16];
+        for (int r = 0; r < mr; r++) {
+            _mm512_storeu_ps(g + r * 16, acc[r][0]);
+            _mm512_storeu_ps(u + r * 16, acc[r][1]);
+        }
+        for (int i = 0; i < mr * 16; i++) g[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
+        for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_loadu_ps(g + r * 16));
+        return;
+    }
     for (int r = 0; r < mr; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+        __m512 a0 = acc[r][0], a1 = acc[r][1];
+        if (epi == EPI_ADD) {   /* (x W^T + b) rounded, then added: as F.linear, then add_ */
+            a0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, y + r * ldy), a0);
+            a1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, y + r * ldy + 16), a1);
+        }
+        _mm512_mask_storeu_ps(y + r * ldy, m0, a0);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1);
     }
 }
 
-static void gemm_tile(int mr, const float *x, int64_t ldx, const float *panel, int64_t k,
+static void gemm_tile(int mr, const float *xt, const float *panel, int64_t k,
                       const float *bias, __mmask16 m0, __mmask16 m1, float *y, int64_t ldy,
-                      const float *pf, int64_t every, int64_t per, int64_t nlines) {
+                      const float *pf, int64_t every, int64_t per, int64_t nlines, int epi) {
     switch (mr) {
-#define TILE(R) case R: gemm_tile_impl(R, x, ldx, panel, k, bias, m0, m1, y, ldy, pf, every, \
-                                       per, nlines); break;
+#define TILE(R) case R: gemm_tile_impl(R, xt, panel, k, bias, m0, m1, y, ldy, pf, every, \
+                                       per, nlines, epi); break;
     TILE(14) TILE(13) TILE(12) TILE(11) TILE(10) TILE(9) TILE(8)
     TILE(7) TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) TILE(1)
 #undef TILE
@@ -296,14 +328,21 @@ static inline __mmask16 lanes(int64_t n) {            /* the first n of 16 lanes
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
 }
 
-/* x [M, K] rows `ldx` apart; packed from pack_linear_weight; bias [N] or NULL;
- * y [M, N] rows `ldy` apart. */
-void linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
-                   int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
-    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+/* x [M, K] rows `ldx` apart; packed from pack_linear_weight; bias [N] or NULL (and NULL
+ * with EPI_GLU); y [M, N] rows `ldy` apart, or [M, I] with EPI_GLU (N = 2I).
+ * Returns 0, or -1 when the buffer of x tiles cannot be allocated. */
+int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
+                  int64_t n, const float *bias, float *y, int64_t ldy, int epi,
+                  int num_threads) {
+    int64_t cols = epi == EPI_GLU ? 16 : GEMM_NR;     /* output columns per panel */
+    if (epi == EPI_GLU) n /= 2;
+    int64_t panels = (n + cols - 1) / cols;
     int64_t lines = k * GEMM_NR / 16;                            /* 64-byte lines per panel */
     int64_t block = (1 << 20) / (4 * k) / GEMM_MR * GEMM_MR;     /* rows of x per ~1 MiB */
     if (block < GEMM_MR) block = GEMM_MR;
+    /* x in tiles [K][rows]: the micro-kernel's row values for one k-step are adjacent */
+    float *xp = aligned_alloc(64, (size_t)((block * k * 4 + 63) / 64 * 64));
+    if (!xp) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -315,25 +354,38 @@ void linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const floa
             int64_t rows = (i1 - i0 + tiles - 1) / tiles;
             int64_t share = (lines + tiles - 1) / tiles;          /* lines to fetch per tile */
             int64_t per = (share + k - 1) / k, every = k * per / share;
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                int64_t i = i0 + tile * rows, mr = i1 - i < rows ? i1 - i : rows;
+                float *dst = xp + tile * rows * k;
+                for (int64_t kk = 0; kk < k; kk++)
+                    for (int64_t r = 0; r < mr; r++) dst[kk * mr + r] = x[(i + r) * ldx + kk];
+            }                                        /* (the loop ends with a barrier) */
             for (int64_t p = p0; p < p1; p++) {
                 const float *panel = packed + p * k * GEMM_NR;
                 const float *next = p + 1 < p1 ? panel + k * GEMM_NR : panel;
-                __mmask16 m0 = lanes(n - p * GEMM_NR), m1 = lanes(n - p * GEMM_NR - 16);
+                __mmask16 m0 = lanes(n - p * cols), m1 = lanes(n - p * cols - 16);
+                if (epi == EPI_GLU) m1 = m0;
                 const float *b = bias ? bias + p * GEMM_NR : NULL;
                 for (int64_t i = i0, tile = 0; i < i1; i += rows, tile++) {
                     int mr = (int)(i1 - i < rows ? i1 - i : rows);
                     int64_t first = tile * share;
                     int64_t nl = lines - first < share ? lines - first : share;
-                    gemm_tile(mr, x + i * ldx, ldx, panel, k, b, m0, m1, y + i * ldy + p * GEMM_NR,
-                              ldy, next + first * 16, every, per, nl);
+                    gemm_tile(mr, xp + (i - i0) * k, panel, k, b, m0, m1, y + i * ldy + p * cols,
+                              ldy, next + first * 16, every, per, nl, epi);
                 }
             }
+#pragma omp barrier                           /* xp is refilled for the next row block */
         }
     }
+    free(xp);
+    return 0;
 }
 #else
 int linear_packed_available(void) { return 0; }
-void pack_linear_weight(const float *w, int64_t n, int64_t k, float *out, int num_threads) {}
-void linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
-                   int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {}
+void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
+                        int num_threads) {}
+int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
+                  int64_t n, const float *bias, float *y, int64_t ldy, int epi,
+                  int num_threads) { return -1; }
 #endif

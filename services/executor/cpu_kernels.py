@@ -80,10 +80,10 @@ def _load() -> ctypes.CDLL:
     lib.rope_and_cache.restype = None
     lib.linear_packed_available.argtypes = []
     lib.linear_packed_available.restype = i32
-    lib.pack_linear_weight.argtypes = [p, i64, i64, p, i32]
+    lib.pack_linear_weight.argtypes = [p, i64, i64, i32, p, i32]
     lib.pack_linear_weight.restype = None
-    lib.linear_packed.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
-    lib.linear_packed.restype = None
+    lib.linear_packed.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32, i32]
+    lib.linear_packed.restype = i32
     return lib
 
 
@@ -145,7 +145,8 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                              torch.get_num_threads())
 
 
-GEMM_NR = 32     # output columns per packed panel (cpu_kernels.c)
+GEMM_NR = 32                       # output columns per packed panel (cpu_kernels.c)
+EPI_STORE, EPI_ADD, EPI_GLU = 0, 1, 2
 
 
 def linear_available() -> bool:
@@ -154,24 +155,40 @@ def linear_available() -> bool:
     return lib is not None and bool(lib.linear_packed_available())
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """An fp32 nn.Linear weight [N, K] in the panel layout of `linear` (1-D, 64-byte aligned
-    by torch's allocator, columns past N zero)."""
+    by torch's allocator, columns past N zero). glu=True packs a fused [gate | up] weight
+    [2I, K] for `linear(..., glu=True)`."""
     n, k = weight.shape
+    if glu and n % 2:
+        raise ValueError(f"a [gate | up] weight has an even number of rows, not {n}")
     w = weight.float().contiguous()
-    out = torch.empty(-(-n // GEMM_NR) * k * GEMM_NR, dtype=torch.float32)
-    kernels().pack_linear_weight(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    panels = -(-(n // 2) // 16) if glu else -(-n // GEMM_NR)
+    out = torch.empty(panels * k * GEMM_NR, dtype=torch.float32)
+    kernels().pack_linear_weight(w.data_ptr(), n, k, int(glu), out.data_ptr(),
+                                 torch.get_num_threads())
     return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 @ W^T + bias -> [M, N] (into `out` when given, contiguous), W packed by
-    `pack_linear`."""
+           out: torch.Tensor | None = None, accumulate: bool = False,
+           glu: bool = False) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T + bias -> [M, N], W [N, K] packed by `pack_linear`.
+
+    out: write there (contiguous [M, N]); with accumulate=True, out += x W^T + bias.
+    glu: W is a [gate | up] weight packed with glu=True; returns silu(gate) * up [M, N/2]
+    (no bias)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
-    kernels().linear_packed(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
-                            y.data_ptr(), n, torch.get_num_threads())
+    if glu and bias is not None:
+        raise ValueError("the fused silu(gate) * up takes no bias")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into `out`, which is missing")
+    cols = n // 2 if glu else n
+    y = torch.empty(m, cols, dtype=torch.float32) if out is None else out
+    epi = EPI_GLU if glu else EPI_ADD if accumulate else EPI_STORE
+    if kernels().linear_packed(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
+                               _ptr(bias), y.data_ptr(), cols, epi, torch.get_num_threads()):
+        raise MemoryError("no memory for the GEMM's 1 MiB buffer")
     return y

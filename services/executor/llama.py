@@ -138,12 +138,13 @@ class Linear:
     """y = x W^T + b; on the CPU through a weight packed once (see `pack_for_cpu`).
 
     `gemm` names the library of the packed weight: "avx512" (cpu_kernels.c), "mkl" or
-    "onednn" (fp32 and bf16); None while the weight is not packed."""
+    "onednn" (fp32 and bf16); None while the weight is not packed. `glu`: a [gate | up]
+    weight packed for `swiglu` only (the AVX-512 GEMM applies silu(gate) * up itself)."""
 
-    __slots__ = ("weight", "bias", "packed", "gemm")
+    __slots__ = ("weight", "bias", "packed", "gemm", "glu")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-        self.weight, self.bias, self.packed, self.gemm = weight, bias, None, None
+        self.weight, self.bias, self.packed, self.gemm, self.glu = weight, bias, None, None, False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -155,6 +156,15 @@ class Linear:
             # layout does not depend on M (checked at pack time), so any M may use it.
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [T, I] of this [gate | up] weight, in the GEMM (needs `glu`)."""
+        return cpu_kernels.linear(x, self.packed, self.weight.shape[0], glu=True)
+
+    def add_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += x W^T + b in the GEMM's epilogue (needs gemm == "avx512")."""
+        cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias, out=out,
+                           accumulate=True)
 
 
 class LlamaLayer:
@@ -218,15 +228,29 @@ class LlamaModel:
             k = qkv[:, nq * d:(nq + nkv) * d].view(t, nkv, d)
             v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            x = self._add_norm(residual, self._reduce(layer.o(o.view(t, nq * d))),
-                               layer.post_norm)
-            h = self._reduce(layer.down(self._silu_and_mul(layer.gate_up(x))))
-        residual.add_(h)
+            h = self._project(layer.o, o.view(t, nq * d), residual)
+            x = self._add_norm(residual, h, layer.post_norm)
+            h = self._project(layer.down, self._swiglu(layer.gate_up, x), residual)
+        if h is not None:
+            residual.add_(h)
         return residual
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Tensor parallelism: sum each rank's partial [T, H] projection output."""
         return partial if self.group is None else self.group.all_reduce(partial)
+
+    def _project(self, lin: Linear, x: torch.Tensor, residual: torch.Tensor):
+        """The output projection x W^T, summed over the ranks, for the residual stream.
+        Where the GEMM can add it into `residual` itself (AVX-512, one rank), it does, and
+        this returns None: no [T, H] temporary and one pass less over the rows."""
+        if lin.gemm == "avx512" and self.group is None:
+            lin.add_into(x, residual)
+            return None
+        return self._reduce(lin(x))
+
+    def _swiglu(self, gate_up: Linear, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: in the GEMM where it can (`glu`), else GEMM then activation."""
+        return gate_up.swiglu(x) if gate_up.glu else self._silu_and_mul(gate_up(x))
 
     # Each step below has a fused C version (CPU, fp32) and the torch ops it replaces.
 
@@ -295,14 +319,18 @@ class LlamaModel:
             gemm, pack = "onednn", torch.ops.mkldnn._reorder_linear_weight
         else:
             return False
+        # The AVX-512 GEMM applies silu(gate) * up to the [gate | up] product itself.
+        glu = {id(layer.gate_up) for layer in self.layers
+               if gemm == "avx512" and layer.gate_up.bias is None}
         try:
-            packed = [pack(lin.weight) for lin in self.linears()]
+            packed = [cpu_kernels.pack_linear(lin.weight, glu=True) if id(lin) in glu
+                      else pack(lin.weight) for lin in self.linears()]
         except RuntimeError as exc:   # e.g. oneDNN's bf16 reorder needs AVX512 or AVX-NE-CONVERT
             log.info("weights not prepacked (%s); using the plain GEMM", exc)
             return False
         for lin, p in zip(self.linears(), packed):
             w = lin.weight
-            lin.packed, lin.gemm = p, gemm
+            lin.packed, lin.gemm, lin.glu = p, gemm, id(lin) in glu
             if lin.weight is not self.embed:
                 lin.weight = torch.zeros((), dtype=w.dtype).expand(w.shape)
         return True

@@ -46,3 +46,41 @@ def test_linear_is_the_same_on_any_number_of_threads(threads):
     # each output element is one dot product in a fixed order, whatever the thread split
     assert torch.equal(got, cpu_kernels.linear(x, packed, 960))
     assert (got - F.linear(x, w)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("inter,k", [(1, 5), (16, 64), (40, 80), (1536, 576)])
+def test_swiglu_epilogue_is_silu_of_gate_times_up(inter, k):
+    """A [gate | up] weight packed with glu=True gives silu(x Wg^T) * (x Wu^T), and writes
+    exactly the `inter` columns of each row (a poisoned output shows any other)."""
+    g = torch.Generator().manual_seed(inter + k)
+    w = torch.randn(2 * inter, k, generator=g) / k ** 0.5
+    packed = cpu_kernels.pack_linear(w, glu=True)
+    for m in (1, 14, 29, 64):
+        x = torch.randn(m, k, generator=g)
+        out = torch.full((m, inter), float("nan"))
+        cpu_kernels.linear(x, packed, 2 * inter, out=out, glu=True)
+        gate_up = F.linear(x, w)
+        ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        assert torch.isfinite(out).all()
+        assert (out - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item()), (m, inter, k)
+
+
+def test_accumulate_adds_the_product_into_out():
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(100, 48, generator=g), torch.randn(100, generator=g)
+    x, residual = torch.randn(30, 48, generator=g), torch.randn(30, 100, generator=g)
+    out = residual.clone()
+    cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 100, b, out=out, accumulate=True)
+    # the product is rounded first, then added: bit for bit what F.linear then add_ give
+    assert torch.equal(out, residual + cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 100, b))
+    assert (out - (residual + F.linear(x, w, b))).abs().max() < 1e-4
+
+
+def test_bad_epilogue_arguments_are_refused():
+    packed = cpu_kernels.pack_linear(torch.randn(8, 4), glu=True)
+    with pytest.raises(ValueError, match="no bias"):
+        cpu_kernels.linear(torch.randn(2, 4), packed, 8, torch.zeros(8), glu=True)
+    with pytest.raises(ValueError, match="missing"):
+        cpu_kernels.linear(torch.randn(2, 4), packed, 8, accumulate=True)
+    with pytest.raises(ValueError, match="even"):
+        cpu_kernels.pack_linear(torch.randn(7, 4), glu=True)
