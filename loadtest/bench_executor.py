@@ -10,8 +10,8 @@ Per dtype (fp32, bf16), with the bundled SmolLM2-135M-Instruct:
     output tokens each, through a simple continuous-batching loop over ModelRunner
     (every step: decodes first, then prefill chunks up to the token budget);
   * the same prompts through transformers `generate` at its best static batch size;
-and once, the machine's fp32 matmul rate (a big sgemm, the faster of torch's BLAS and
-oneDNN), which gives the roofline
+and once, the machine's fp32 matmul rate (a big sgemm, the fastest of torch's BLAS, oneDNN
+and the engine's own AVX-512 GEMM), which gives the roofline
 FLOP/s / (2 x params) tokens/s, counting every processed token (prompt and output).
 The CPUs may be shared with other work: compare ratios, and rerun when in doubt.
 """
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.executor import cpu_kernels  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
@@ -54,9 +55,11 @@ class Loop:
         self.budget = budget
         self.free = deque(range(runner.num_gpu_blocks))
         self.step = 0
+        self.processed = 0
 
     def run(self, prompts: list[list[int]], new_tokens: int, on_step=None) -> int:
-        """Generate `new_tokens` per prompt; returns the number of steps."""
+        """Generate `new_tokens` per prompt; returns the number of steps. `self.processed`
+        counts the tokens the forward passes took in (prompts and fed-back outputs)."""
         bs = self.r.block_size
         waiting = deque(range(len(prompts)))
         tokens = {i: list(p) for i, p in enumerate(prompts)}
@@ -97,6 +100,7 @@ class Loop:
                     waiting.popleft()
                     running.append(sid)
             res = self.r.execute(plan)
+            self.processed += sum(s.num_tokens for s in plan.scheduled)
             if res.error:
                 raise RuntimeError(res.error)
             self.step += 1
@@ -138,12 +142,14 @@ def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
 
 
 def bench_engine(runner: ModelRunner, prompts: list[list[int]], new_tokens: int,
-                 budget: int) -> float:
-    """Seconds to run the whole workload through the continuous-batching loop."""
+                 budget: int) -> tuple[float, int]:
+    """(seconds, processed tokens) of the whole workload through the continuous-batching
+    loop. Processed: every prompt token and every output token fed back, which is all but
+    the last output of each request."""
     loop = Loop(runner, budget)
     t0 = now()
     loop.run(prompts, new_tokens)
-    return now() - t0
+    return now() - t0, loop.processed
 
 
 def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int,
@@ -169,11 +175,15 @@ def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tok
 
 
 def sgemm_flops(n: int = 4096, reps: int = 5) -> dict[str, float]:
-    """FLOP/s of one n x n x n fp32 product by each GEMM library torch carries: its BLAS
-    (`a @ b`: MKL) and oneDNN (a packed weight, as the engine can use it). The roofline
-    takes the faster: which one wins depends on the CPU (MKL is slower on AMD)."""
+    """FLOP/s of one n x n x n fp32 product by each GEMM the engine can run: torch's BLAS
+    (`a @ b`: MKL), oneDNN (a packed weight) and the engine's own AVX-512 kernel
+    (cpu_kernels.c, where built). The roofline takes the fastest: which one wins depends
+    on the CPU (MKL is slower on AMD)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     runs = {"blas": lambda: a @ b}
+    if cpu_kernels.linear_available():
+        packed_own = cpu_kernels.pack_linear(b)
+        runs["avx512"] = lambda: cpu_kernels.linear(a, packed_own, n)
     if torch.backends.mkldnn.is_available():
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
@@ -244,17 +254,17 @@ def main() -> None:
             tps = bench_decode(runner, b, 128, args.decode_steps)
             res["decode_tok_s"][dt][b] = tps
             say(f"{dt:9s} decode batch {b:4d}: {tps:8.1f} tok/s")
-        secs = bench_engine(runner, prompts, args.output_len, args.budget)
+        secs, processed = bench_engine(runner, prompts, args.output_len, args.budget)
         res["engine_tok_s"][dt] = n_out / secs
-        res["processed_tok_s"][dt] = (n_prompt + n_out) / secs
+        res["processed_tok_s"][dt] = processed / secs
         say(f"{dt:9s} engine end to end: {n_out / secs:8.1f} output tok/s "
-            f"({(n_prompt + n_out) / secs:.1f} processed tok/s, {secs:.1f} s)")
+            f"({processed / secs:.1f} processed tok/s, {secs:.1f} s)")
         if dt == "float32":
             params = runner.args.num_params
             roofline = flops / (2 * params)
             res["roofline_tok_s"] = roofline
             res["params"] = params
-            res["roofline_frac"] = (n_prompt + n_out) / secs / roofline
+            res["roofline_frac"] = processed / secs / roofline
             say(f"roofline {roofline:.0f} tok/s ({params / 1e6:.1f} M params): engine reaches "
                 f"{res['roofline_frac']:.2f}")
         folder = runner.model_dir
@@ -267,12 +277,14 @@ def main() -> None:
             secs = bench_hf(folder, getattr(torch, dt), prompts, args.output_len, b, pad)
             res["hf_tok_s"][dt][b] = n_out / secs
             say(f"{dt:9s} transformers generate, static batch {b:3d}: {n_out / secs:8.1f} "
-                f"output tok/s ({(n_prompt + n_out) / secs:.1f} processed)")
+                f"output tok/s ({(n_prompt + n_out - args.requests) / secs:.1f} processed)")
         res["hf_best_tok_s"][dt] = max(res["hf_tok_s"][dt].values())
         res["ratio_vs_hf"][dt] = res["engine_tok_s"][dt] / res["hf_best_tok_s"][dt]
         say(f"{dt:9s} engine / best transformers: {res['ratio_vs_hf'][dt]:.2f}x")
         if dt == "float32":
-            res["hf_roofline_frac"] = (res["hf_best_tok_s"][dt] * (n_prompt + n_out) / n_out
+            # the same useful tokens as the engine's (padding not counted)
+            res["hf_roofline_frac"] = (res["hf_best_tok_s"][dt]
+                                       * (n_prompt + n_out - args.requests) / n_out
                                        / res["roofline_tok_s"])
     res["loadavg_end"] = os.getloadavg()[0]
     say(f"load average (1 min) at start {res['loadavg_start']:.2f}, "
