@@ -7,6 +7,7 @@
  *   add_rms_norm             residual += h; out = rms_norm(residual) * w        (fp32)
  *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
  *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
+ *   greedy_logprobs          per row: the first argmax and its log_softmax value
  *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
  *   linear_packed            panels (AVX-512 only; see the section below); optionally
  *                            y += x W^T + b, or silu(gate) * up of a [gate | up] weight
@@ -210,6 +211,54 @@ void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const 
             memcpy(v_cache + slot * hkv * d, row + (hq + hkv) * d,
                    sizeof(float) * (size_t)(hkv * d));
         }
+    }
+}
+
+/* ------------------------------------------------------------ greedy sampling
+ *
+ * logits [R, V] fp32 (rows `ld` apart) -> token[r] = the first index of the row's maximum,
+ * logprob[r] = log_softmax(row)[token] = -log(sum(exp(x - max))). One read of each row
+ * from memory (the second pass finds it in L2) instead of torch's log_softmax (which also
+ * writes [R, V]) plus max. */
+static inline int64_t row_argmax(const float *x, int64_t v) {
+    int64_t i = 0, best = 0;
+    float m = x[0];
+#ifdef __AVX512F__
+    if (v >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i cur = iv, step = _mm512_set1_epi32(16);
+        for (i = 16; i + 16 <= v; i += 16) {
+            cur = _mm512_add_epi32(cur, step);
+            __m512 xv = _mm512_loadu_ps(x + i);
+            __mmask16 gt = _mm512_cmp_ps_mask(xv, mv, _CMP_GT_OQ);   /* strict: first wins */
+            mv = _mm512_mask_mov_ps(mv, gt, xv);
+            iv = _mm512_mask_mov_epi32(iv, gt, cur);
+        }
+        float vals[16];
+        int32_t idx[16];
+        _mm512_storeu_ps(vals, mv);
+        _mm512_storeu_si512(idx, iv);
+        m = vals[0], best = idx[0];
+        for (int l = 1; l < 16; l++)
+            if (vals[l] > m || (vals[l] == m && idx[l] < best)) m = vals[l], best = idx[l];
+    }
+#endif
+    for (; i < v; i++)
+        if (x[i] > m) m = x[i], best = i;
+    return best;
+}
+
+void greedy_logprobs(const float *logits, int64_t rows, int64_t v, int64_t ld, int64_t *token,
+                     float *logprob, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * ld;
+        int64_t best = row_argmax(x, v);
+        float m = x[best], sum = 0.f;
+        for (int64_t i = 0; i < v; i++) sum += expf(x[i] - m);
+        token[r] = best;
+        logprob[r] = -logf(sum);
     }
 }
 

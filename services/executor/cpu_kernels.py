@@ -78,6 +78,8 @@ def _load() -> ctypes.CDLL:
     lib.silu_and_mul.restype = None
     lib.rope_and_cache.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
     lib.rope_and_cache.restype = None
+    lib.greedy_logprobs.argtypes = [p, i64, i64, i64, p, p, i32]
+    lib.greedy_logprobs.restype = None
     lib.linear_packed_available.argtypes = []
     lib.linear_packed_available.restype = i32
     lib.pack_linear_weight.argtypes = [p, i64, i64, i32, p, i32]
@@ -192,3 +194,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
                                _ptr(bias), y.data_ptr(), cols, epi, torch.get_num_threads()):
         raise MemoryError("no memory for the GEMM's 1 MiB buffer")
     return y
+
+
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [R] int64, logprobs [R] fp32) of fp32 logits [R, V]: each row's first
+    maximum and its log_softmax value, as argmax and log_softmax give them."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows, v = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    kernels().greedy_logprobs(logits.data_ptr(), rows, v, logits.stride(0), tokens.data_ptr(),
+                              logprobs.data_ptr(), torch.get_num_threads())
+    return tokens, logprobs

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.executor import cpu_kernels
 from shared.messages import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -67,8 +68,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """Sample one token per row of fp32 logits [R, V] (CPU or GPU)."""
-        logprobs = torch.log_softmax(logits, dim=-1)
         x = self._constrained_logits(logits, rows)
+        if (x is logits and logits.device.type == "cpu" and cpu_kernels.kernels() is not None
+                and all(r.params.temperature < _GREEDY_EPS and not r.params.logprobs
+                        and not r.params.beam_width for r in rows)):
+            # Plain greedy rows on the CPU: one pass per row in C, no [R, V] log_softmax.
+            tokens, chosen = cpu_kernels.greedy_logprobs(logits)
+            return SampleOutput(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
+        logprobs = torch.log_softmax(logits, dim=-1)
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_EPS]
         rand = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
