@@ -1,0 +1,112 @@
+"""fp32 GEMM on the CPU: the engine's AVX-512 kernel against oneDNN and MKL, by row count.
+
+    .venv/bin/python loadtest/bench_cpu_gemm.py                 # a table
+    .venv/bin/python loadtest/bench_cpu_gemm.py --json          # one JSON object
+    .venv/bin/python loadtest/bench_cpu_gemm.py --plot docs/cpu_gemm.png
+
+The shapes are SmolLM2-135M's four projections (qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536), 30 distinct copies of each as in the model's 30 layers, so that every
+product reads its weight from memory as a decode step does (the weights of a model do
+not stay in cache from one step to the next). Each library runs the same inputs on its
+own packed copies; the libraries take turns, in alternating order, and each figure is
+the best of --reps rounds, since the CPUs may be shared with other work. The figure is
+GFLOP/s over all four projections; `vs_onednn` is the engine's kernel divided by oneDNN.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.executor import cpu_kernels  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def libraries(weights: list[torch.Tensor]) -> dict[str, list]:
+    """For each library available here: one `run(x)` per weight."""
+    out: dict[str, list] = {}
+    if cpu_kernels.linear_available():
+        packed = [(cpu_kernels.pack_linear(w), w.shape[0]) for w in weights]
+        out["avx512"] = [lambda x, p=p, n=n: cpu_kernels.linear(x, p, n) for p, n in packed]
+    if torch.backends.mkldnn.is_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        out["onednn"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(
+            x, p, None, "none", [], "") for p in packed]
+    try:
+        packed = [(torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w) for w in weights]
+        out["mkl"] = [lambda x, p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0])
+                      for p, w in packed]
+    except (AttributeError, RuntimeError):
+        pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,16,64,128,256,512,2048")
+    ap.add_argument("--layers", type=int, default=30, help="distinct copies of each weight")
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", help="write a PNG of GFLOP/s by rows here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    torch.manual_seed(0)
+    runs = {name: libraries([torch.randn(n, k) for _ in range(args.layers)])
+            for name, (n, k) in SHAPES.items()}
+    libs = list(next(iter(runs.values())))
+    res: dict = {"threads": torch.get_num_threads(), "layers": args.layers, "gflops": {}}
+    with torch.inference_mode():
+        for m in (int(r) for r in args.rows.split(",")):
+            xs = {name: torch.randn(m, k) for name, (_, k) in SHAPES.items()}
+            flops = sum(2 * m * n * k * args.layers for n, k in SHAPES.values())
+            best = dict.fromkeys(libs, float("inf"))
+            for rep in range(args.reps):
+                for lib in (libs if rep % 2 == 0 else libs[::-1]):
+                    t0 = time.perf_counter()
+                    for name in SHAPES:
+                        for run in runs[name][lib]:
+                            run(xs[name])
+                    best[lib] = min(best[lib], time.perf_counter() - t0)
+            res["gflops"][m] = {lib: flops / t / 1e9 for lib, t in best.items()}
+            line = "  ".join(f"{lib} {g:6.1f}" for lib, g in res["gflops"][m].items())
+            ratio = ""
+            if "avx512" in best and "onednn" in best:
+                ratio = f"  avx512/onednn {best['onednn'] / best['avx512']:.2f}x"
+            say(f"{m:5d} rows: {line} GFLOP/s{ratio}")
+    if "avx512" in libs and "onednn" in libs:
+        res["vs_onednn"] = {m: g["avx512"] / g["onednn"] for m, g in res["gflops"].items()}
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        rows = list(res["gflops"])
+        for lib in libs:
+            ax.plot(rows, [res["gflops"][m][lib] for m in rows], marker="o", label=lib)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows (tokens in the step)")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"fp32 GEMM, SmolLM2 projections, weights from memory, "
+                     f"{res['threads']} threads", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        say(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
