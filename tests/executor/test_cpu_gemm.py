@@ -84,20 +84,3 @@ def test_bad_epilogue_arguments_are_refused():
         cpu_kernels.linear(torch.randn(2, 4), packed, 8, accumulate=True)
     with pytest.raises(ValueError, match="even"):
         cpu_kernels.pack_linear(torch.randn(7, 4), glu=True)
-
-
-def test_greedy_logprobs_are_argmax_and_log_softmax():
-    """The C greedy pass gives torch's first argmax and log_softmax value, ties included."""
-    if cpu_kernels.kernels() is None:
-        pytest.skip("no C compiler")
-    g = torch.Generator().manual_seed(5)
-    for v in (1, 7, 16, 33, 49152):
-        x = torch.randn(6, v, generator=g) * 4
-        if v > 20:
-            x[1, 3] = x[1, v - 2] = x[1].max() + 1       # a tie: the first one wins
-            x[2, v - 1] = x[2].max() + 1                  # the maximum in the scalar tail
-            x[3, 17] = x[3, 18] = x[3, v // 2 + 16] = x[3].max() + 1   # ties across lanes
-        tok, lp = cpu_kernels.greedy_logprobs(x)
-        assert tok.tolist() == x.argmax(dim=-1).tolist(), v
-        ref = torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]
-        assert (lp - ref).abs().max() < 1e-5, v

@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 import torch
 
+from services.executor import cpu_kernels
 from services.executor.sampler import SampleRow, Sampler
 from shared.messages import SamplingParams
 
@@ -165,3 +167,36 @@ def test_beam_search_gets_two_candidates_per_beam():
     assert len(out.top[0]) == 6 and len(out.top[1]) == 8
     assert out.top[0][0][0] == out.token_ids[0]
     assert [v for _, v in out.top[0]] == sorted((v for _, v in out.top[0]), reverse=True)
+
+
+def test_greedy_logprobs_are_argmax_and_log_softmax():
+    """The C greedy pass gives torch's first argmax and log_softmax value, ties included."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(5)
+    for v in (1, 7, 16, 33, 49152):
+        x = torch.randn(6, v, generator=g) * 4
+        if v > 20:
+            x[1, 3] = x[1, v - 2] = x[1].max() + 1       # a tie: the first one wins
+            x[2, v - 1] = x[2].max() + 1                  # the maximum in the scalar tail
+            x[3, 17] = x[3, 18] = x[3, v // 2 + 16] = x[3].max() + 1   # ties across lanes
+        tok, lp = cpu_kernels.greedy_logprobs(x)
+        assert tok.tolist() == x.argmax(dim=-1).tolist(), v
+        ref = torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]
+        assert (lp - ref).abs().max() < 1e-5, v
+
+
+def test_plain_greedy_rows_match_the_general_path():
+    """Plain greedy rows take the C pass; a row asking for logprobs sends the batch through
+    log_softmax and topk. Tokens and logprobs agree either way."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 1000, generator=g) * 3
+    plain = Sampler(0)(x, _rows(5, temperature=0.0))
+    rows = _rows(5, temperature=0.0) + [SampleRow(SamplingParams(temperature=0, logprobs=1),
+                                                  [1], 1)]
+    general = Sampler(0)(torch.cat([x, x[:1]]), rows)
+    assert plain.token_ids == x.argmax(dim=-1).tolist() == general.token_ids[:5]
+    assert plain.top == [[]] * 5
+    ref = torch.log_softmax(x, -1).gather(1, x.argmax(-1, keepdim=True))[:, 0].tolist()
+    assert all(abs(a - b) < 1e-5 for a, b in zip(plain.logprobs, ref))
+    assert all(abs(a - b) < 1e-5 for a, b in zip(plain.logprobs, general.logprobs[:5]))
