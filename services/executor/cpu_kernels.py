@@ -180,6 +180,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     out: write there (contiguous [M, N]); with accumulate=True, out += x W^T + bias.
     glu: W is a [gate | up] weight packed with glu=True; returns silu(gate) * up [M, N/2]
     (no bias)."""
+    if x.dtype != torch.float32 or packed.dtype != torch.float32:
+        raise TypeError(f"the packed GEMM multiplies fp32, not {x.dtype} x {packed.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -199,6 +201,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [R] int64, logprobs [R] fp32) of fp32 logits [R, V]: each row's first
     maximum and its log_softmax value, as argmax and log_softmax give them."""
+    if logits.dtype != torch.float32:
+        raise TypeError(f"greedy_logprobs reads fp32 logits, not {logits.dtype}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, v = logits.shape

@@ -299,7 +299,7 @@ class LlamaModel:
         a single decode, 1.1x at prefill sizes). fp32 goes through whichever of the engine's
         own AVX-512 GEMM (cpu_kernels.c), MKL's packed sgemm and oneDNN is fastest on this
         CPU for this model's weights, timed here (see `_pick_fp32_gemm`). Measured: the
-        AVX-512 kernel on an Intel Xeon (1.5x oneDNN at the 64 rows of decode steps, on
+        AVX-512 kernel on an Intel Xeon (1.5-1.7x oneDNN at the 64 rows of decode steps, on
         weights that come from memory); oneDNN on AMD Zen 5 (2.3x MKL, which takes a slower
         code path on CPUs not made by Intel).
 
@@ -345,7 +345,7 @@ def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
     PAGEDSERVE_CPU_GEMM=avx512|mkl|onednn forces one (when it works here); by default each
     is timed on `weight` (the largest projection of the first layer) at 64 and 512 rows, the
     sizes of decode and prefill steps, with the weight coming from memory, on this
-    process's threads (about 0.3 s at start), and the one with the lowest time per row,
+    process's threads (about 0.4 s at start), and the one with the lowest time per row,
     summed over the two sizes, wins."""
     usable = [g for g in FP32_GEMMS if _fp32_gemm_ok(g)]
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")

@@ -69,7 +69,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """Sample one token per row of fp32 logits [R, V] (CPU or GPU)."""
         x = self._constrained_logits(logits, rows)
-        if (x is logits and logits.device.type == "cpu" and cpu_kernels.kernels() is not None
+        if (x is logits and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and cpu_kernels.kernels() is not None
                 and all(r.params.temperature < _GREEDY_EPS and not r.params.logprobs
                         and not r.params.beam_width for r in rows)):
             # Plain greedy rows on the CPU: one pass per row in C, no [R, V] log_softmax.

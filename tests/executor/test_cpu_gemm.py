@@ -76,7 +76,7 @@ def test_accumulate_adds_the_product_into_out():
     assert (out - (residual + F.linear(x, w, b))).abs().max() < 1e-4
 
 
-def test_bad_epilogue_arguments_are_refused():
+def test_bad_arguments_are_refused():
     packed = cpu_kernels.pack_linear(torch.randn(8, 4), glu=True)
     with pytest.raises(ValueError, match="no bias"):
         cpu_kernels.linear(torch.randn(2, 4), packed, 8, torch.zeros(8), glu=True)
@@ -84,3 +84,5 @@ def test_bad_epilogue_arguments_are_refused():
         cpu_kernels.linear(torch.randn(2, 4), packed, 8, accumulate=True)
     with pytest.raises(ValueError, match="even"):
         cpu_kernels.pack_linear(torch.randn(7, 4), glu=True)
+    with pytest.raises(TypeError, match="fp32"):
+        cpu_kernels.linear(torch.randn(2, 4, dtype=torch.bfloat16), packed, 8, glu=True)
