@@ -274,13 +274,13 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t v, int64_t ld, i
  * (columns past N are zero), so a panel is one contiguous stream and each k-step of the
  * micro-kernel loads one 128-byte row of it. Each thread takes a contiguous range of
  * panels. For each panel the micro-kernel computes tiles of up to MR = 14 rows x 32
- * columns in 28 vector accumulators (row values broadcast from x, which stays in L2),
- * and while it does, it prefetches the thread's next panel into L2, spread evenly over
- * the panel's tiles: one line every few k-steps instead of a burst that stalls the FMAs.
- * Rows are taken in blocks of about 1 MiB of x, so that large prefill batches also stay in
- * L2. Measured on 2 cores (Xeon with AVX-512, SmolLM2's four projections, 30 layers, the
- * weights cold): 64 rows 250 GFLOP/s against oneDNN's 170; 128 rows 270 against 220;
- * equal at 256; about 10 % behind oneDNN from 512 rows.
+ * columns in 28 vector accumulators (row values broadcast from x, copied into tiles
+ * [K][rows] that stay in L2), and while it does, it prefetches the thread's next panel
+ * into L2, spread evenly over the panel's tiles: one line every few k-steps instead of a
+ * burst that stalls the FMAs. Rows are taken in blocks of about 1 MiB of x, so that large
+ * prefill batches also stay in L2. Measured on 2 cores (Xeon with AVX-512, SmolLM2's four
+ * projections, 30 layers, weights from memory; loadtest/bench_cpu_gemm.py): 1.3-1.7x
+ * oneDNN up to 128 rows, 1.2x at 256, level at 512, 0.97x at 2048 rows.
  */
 #define GEMM_NR 32
 #define GEMM_MR 14
