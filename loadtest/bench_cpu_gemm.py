@@ -24,28 +24,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor import cpu_kernels  # noqa: E402
+from services.executor.llama import FP32_GEMMS, _fp32_gemm, _fp32_gemm_ok  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
 def libraries(weights: list[torch.Tensor]) -> dict[str, list]:
-    """For each library available here: one `run(x)` per weight."""
-    out: dict[str, list] = {}
-    if cpu_kernels.linear_available():
-        packed = [(cpu_kernels.pack_linear(w), w.shape[0]) for w in weights]
-        out["avx512"] = [lambda x, p=p, n=n: cpu_kernels.linear(x, p, n) for p, n in packed]
-    if torch.backends.mkldnn.is_available():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-        out["onednn"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(
-            x, p, None, "none", [], "") for p in packed]
-    try:
-        packed = [(torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w) for w in weights]
-        out["mkl"] = [lambda x, p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0])
-                      for p, w in packed]
-    except (AttributeError, RuntimeError):
-        pass
-    return out
+    """For each packed fp32 GEMM that works here (as the runner checks it): one `run(x)`
+    per weight, packed as the runner packs it."""
+    return {gemm: [_fp32_gemm(gemm, w)[1] for w in weights]
+            for gemm in FP32_GEMMS if _fp32_gemm_ok(gemm)}
 
 
 def main() -> None:

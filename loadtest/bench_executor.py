@@ -10,8 +10,8 @@ Per dtype (fp32, bf16), with the bundled SmolLM2-135M-Instruct:
     output tokens each, through a simple continuous-batching loop over ModelRunner
     (every step: decodes first, then prefill chunks up to the token budget);
   * the same prompts through transformers `generate` at its best static batch size;
-and once, the machine's fp32 matmul rate (a big sgemm, the fastest of torch's BLAS, oneDNN
-and the engine's own AVX-512 GEMM), which gives the roofline
+and once, the machine's fp32 matmul rate (a big sgemm, the fastest of torch's BLAS and the
+packed GEMMs the engine can pick), which gives the roofline
 FLOP/s / (2 x params) tokens/s, counting every processed token (prompt and output).
 The CPUs may be shared with other work: compare ratios, and rerun when in doubt.
 """
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor import cpu_kernels  # noqa: E402
+from services.executor.llama import FP32_GEMMS, _fp32_gemm, _fp32_gemm_ok  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
@@ -175,22 +175,16 @@ def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tok
 
 
 def sgemm_flops(n: int = 4096, reps: int = 5) -> dict[str, float]:
-    """FLOP/s of one n x n x n fp32 product by each GEMM the engine can run: torch's BLAS
-    (`a @ b`: MKL), oneDNN (a packed weight) and the engine's own AVX-512 kernel
-    (cpu_kernels.c, where built). The roofline takes the fastest: which one wins depends
-    on the CPU (MKL is slower on AMD)."""
+    """FLOP/s of one n x n x n fp32 product by torch's BLAS (`a @ b`: MKL) and by each
+    packed fp32 GEMM the engine can pick here (llama.FP32_GEMMS: its own AVX-512 kernel,
+    MKL's packed sgemm, oneDNN). The roofline takes the fastest: which one wins depends on
+    the CPU (MKL is slower on AMD)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     runs = {"blas": lambda: a @ b}
-    if cpu_kernels.linear_available():
-        packed_own = cpu_kernels.pack_linear(b)
-        runs["avx512"] = lambda: cpu_kernels.linear(a, packed_own, n)
-    if torch.backends.mkldnn.is_available():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
-            runs["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(
-                a, packed, None, "none", [], "")
-        except RuntimeError:
-            pass
+    for gemm in FP32_GEMMS:
+        if _fp32_gemm_ok(gemm):
+            run = _fp32_gemm(gemm, b)[1]
+            runs[gemm] = lambda run=run: run(a)
     out = {}
     for name, run in runs.items():
         run()
