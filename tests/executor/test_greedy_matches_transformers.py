@@ -53,7 +53,8 @@ def _generate(runner, prompts, on_step=None) -> tuple[PlanBuilder, dict[int, lis
     return b, logits
 
 
-def _check_against_transformers(b: PlanBuilder, logits, hf_model, hf_greedy) -> None:
+def _check_against_transformers(b: PlanBuilder, logits, hf_model, hf_greedy,
+                                runner) -> None:
     # One right-padded teacher-forced forward: row t of seq i = logits after its prefix t.
     seqs = [b.seqs[i] for i in range(len(b.seqs))]
     full = [s.prompt + s.outputs[:-1] for s in seqs]
@@ -62,6 +63,7 @@ def _check_against_transformers(b: PlanBuilder, logits, hf_model, hf_greedy) -> 
     mask = torch.tensor([[1] * len(f) + [0] * (width - len(f)) for f in full])
     with torch.inference_mode():
         ref_all = hf_model(ids, attention_mask=mask).logits.float()
+    gemm = runner.model.layers[0].qkv.gemm      # which packed GEMM the runner picked
     for sid, seq in enumerate(seqs):
         out = seq.outputs
         assert len(out) == NEW_TOKENS and len(logits[sid]) == NEW_TOKENS
@@ -69,7 +71,7 @@ def _check_against_transformers(b: PlanBuilder, logits, hf_model, hf_greedy) -> 
         mine = torch.stack(logits[sid])
         err = (mine - ref).abs().amax(dim=-1)
         assert err.max() < LOGIT_TOL, (f"prompt {sid}: step {int(err.argmax())} logits differ "
-                                       f"by {err.max()}")
+                                       f"by {err.max()} (fp32 GEMM: {gemm})")
         top2 = ref.topk(2, dim=-1).values
         gap = top2[:, 0] - top2[:, 1]
         for t in range(NEW_TOKENS):
@@ -86,7 +88,7 @@ def _check_against_transformers(b: PlanBuilder, logits, hf_model, hf_greedy) -> 
 def test_greedy_continuous_batching_matches_transformers(runner, chat_prompts, hf_model,
                                                          hf_greedy):
     b, logits = _generate(runner, chat_prompts)
-    _check_against_transformers(b, logits, hf_model, hf_greedy)
+    _check_against_transformers(b, logits, hf_model, hf_greedy, runner)
 
 
 def test_greedy_survives_swap_out_and_in(runner, chat_prompts, hf_model, hf_greedy):
@@ -113,7 +115,7 @@ def test_greedy_survives_swap_out_and_in(runner, chat_prompts, hf_model, hf_gree
     assert len(old_tables) >= 4 and new_tables.keys() == old_tables.keys()
     for sid in old_tables:
         assert set(new_tables[sid]).isdisjoint(old_tables[sid]), "swap-in must move blocks"
-    _check_against_transformers(b, logits, hf_model, hf_greedy)
+    _check_against_transformers(b, logits, hf_model, hf_greedy, runner)
 
 
 def test_greedy_survives_recompute(runner, chat_prompts, hf_model, hf_greedy):
@@ -128,4 +130,4 @@ def test_greedy_survives_recompute(runner, chat_prompts, hf_model, hf_greedy):
 
     b, logits = _generate(runner, chat_prompts, preempt)
     assert len(dropped) >= 4
-    _check_against_transformers(b, logits, hf_model, hf_greedy)
+    _check_against_transformers(b, logits, hf_model, hf_greedy, runner)
