@@ -1,8 +1,10 @@
-"""Executor benchmark on the CPU path: ModelRunner against transformers `generate`.
+"""Executor benchmark: ModelRunner against transformers `generate`, on the CPU path by default.
 
     .venv/bin/python loadtest/bench_executor.py            # full run, a table
     .venv/bin/python loadtest/bench_executor.py --json     # the figures as one JSON object
     .venv/bin/python loadtest/bench_executor.py --quick    # fewer sizes, a smoke run
+    python loadtest/bench_executor.py --device cuda --model FOLDER --requests 256 \
+        --batches 1,8,32,64,128,256 --hf-batches 64,128,256   # on a GPU (no roofline)
 
 Per dtype (fp32, bf16), with the bundled SmolLM2-135M-Instruct:
   * decode throughput at batch 1, 8, 32, 64, 128: tokens/s while every seq decodes;
@@ -18,6 +20,7 @@ The CPUs may be shared with other work: compare ratios, and rerun when in doubt.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -153,24 +156,27 @@ def bench_engine(runner: ModelRunner, prompts: list[list[int]], new_tokens: int,
 
 
 def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int,
-             batch: int, pad: int) -> float:
+             batch: int, pad: int, device: str = "cpu") -> float:
     """Seconds for transformers `generate` over the prompts in static batches (arrival order,
     left padded), exactly `new_tokens` greedy tokens each."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().to(device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = pad
     t0 = now()
     for i in range(0, len(prompts), batch):
         group = prompts[i:i + batch]
         width = max(map(len, group))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group],
+                            device=device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  do_sample=False)
         assert out.shape[1] == width + new_tokens
+    if device == "cuda":
+        torch.cuda.synchronize()
     return now() - t0
 
 
@@ -210,6 +216,10 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="16,32,64")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the GPU path (no roofline, which is a CPU figure)")
+    ap.add_argument("--model", default=None,
+                    help="served name, .gguf or HF folder (default: the bundled SmolLM2)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: process CPU time, meaningful with --threads 1 on a busy machine")
     args = ap.parse_args()
@@ -229,16 +239,24 @@ def main() -> None:
                  "hf_tok_s": {}, "processed_tok_s": {}, "threads": torch.get_num_threads(),
                  "clock": args.clock}
     res["loadavg_start"] = os.getloadavg()[0]   # other work on the CPUs skews every figure
-    by_lib = sgemm_flops()
-    flops = max(by_lib.values())
-    res["sgemm_gflops"] = flops / 1e9
-    res["sgemm_gflops_by_library"] = {k: round(v / 1e9, 1) for k, v in by_lib.items()}
-    say(f"fp32 GEMM 4096^3: {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads ("
-        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in by_lib.items()) + ")")
+    res["device"] = args.device
+    cpu = args.device == "cpu"
+    if cpu:
+        by_lib = sgemm_flops()
+        flops = max(by_lib.values())
+        res["sgemm_gflops"] = flops / 1e9
+        res["sgemm_gflops_by_library"] = {k: round(v / 1e9, 1) for k, v in by_lib.items()}
+        say(f"fp32 GEMM 4096^3: {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} "
+            "threads (" + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in by_lib.items()) + ")")
+    else:
+        res["gpu"] = torch.cuda.get_device_name()
+    model = {"model": args.model} if args.model else {}
     for dt in dtypes:
-        runner = ModelRunner(ExecutorConfig(dtype=dt, device="cpu", kv_cache_gib=2.5,
+        runner = ModelRunner(ExecutorConfig(dtype=dt, device=args.device, kv_cache_gib=2.5,
                                             swap_space_gib=0.0,
-                                            max_num_batched_tokens=args.budget))
+                                            max_num_batched_tokens=args.budget, **model))
+        if not cpu:
+            res.setdefault("num_gpu_blocks", {})[dt] = runner.num_gpu_blocks
         prompts = workload(args.requests, 32, 256, runner.args.vocab_size)
         n_prompt = sum(map(len, prompts))
         n_out = args.requests * args.output_len
@@ -253,7 +271,7 @@ def main() -> None:
         res["processed_tok_s"][dt] = processed / secs
         say(f"{dt:9s} engine end to end: {n_out / secs:8.1f} output tok/s "
             f"({processed / secs:.1f} processed tok/s, {secs:.1f} s)")
-        if dt == "float32":
+        if dt == "float32" and cpu:
             params = runner.args.num_params
             roofline = flops / (2 * params)
             res["roofline_tok_s"] = roofline
@@ -264,18 +282,22 @@ def main() -> None:
         folder = runner.model_dir
         pad = runner.eos_token_id or 0
         del runner
+        if not cpu:
+            gc.collect()
+            torch.cuda.empty_cache()
         if args.no_hf:
             continue
         res["hf_tok_s"][dt] = {}
         for b in (int(x) for x in args.hf_batches.split(",")):
-            secs = bench_hf(folder, getattr(torch, dt), prompts, args.output_len, b, pad)
+            secs = bench_hf(folder, getattr(torch, dt), prompts, args.output_len, b, pad,
+                            args.device)
             res["hf_tok_s"][dt][b] = n_out / secs
             say(f"{dt:9s} transformers generate, static batch {b:3d}: {n_out / secs:8.1f} "
                 f"output tok/s ({(n_prompt + n_out - args.requests) / secs:.1f} processed)")
         res["hf_best_tok_s"][dt] = max(res["hf_tok_s"][dt].values())
         res["ratio_vs_hf"][dt] = res["engine_tok_s"][dt] / res["hf_best_tok_s"][dt]
         say(f"{dt:9s} engine / best transformers: {res['ratio_vs_hf'][dt]:.2f}x")
-        if dt == "float32":
+        if dt == "float32" and cpu:
             # the same useful tokens as the engine's (padding not counted)
             res["hf_roofline_frac"] = (res["hf_best_tok_s"][dt]
                                        * (n_prompt + n_out - args.requests) / n_out
