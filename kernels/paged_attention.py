@@ -200,9 +200,13 @@ class TileConfig:
 
 
 # Decode-only batches (T == B): a tile holds 1 token x GROUP heads, so the smallest tile
-# tl.dot accepts; more rows would be arithmetic on padding. Batches with prefill chunks: 64
-# rows, so each K/V tile loaded is reused by more query rows.
-DECODE_TILES = TileConfig(min_block_m=16, block_n=64, num_warps=4, num_stages=2)
+# tl.dot accepts; more rows would be arithmetic on padding. 128 context tokens per step,
+# 8 warps and 3 stages were the fastest of 12 configs on an H200 (bench_paged_attention
+# --tune, docs/kernels.md), 11 % under the former 64 / 4 warps / 2 stages. fp32 K/V tiles
+# are twice the bytes: that config's stages would not fit in shared memory at head dim 128.
+# Batches with prefill chunks: 64 rows, so each K/V tile loaded is reused by more query rows.
+DECODE_TILES = TileConfig(min_block_m=16, block_n=128, num_warps=8, num_stages=3)
+DECODE_TILES_FP32 = TileConfig(min_block_m=16, block_n=64, num_warps=4, num_stages=2)
 PREFILL_TILES = TileConfig(min_block_m=64, block_n=64, num_warps=4, num_stages=3)
 # Split the context while fewer than this many programs per SM would run: a decode program
 # streams K/V, and about 4 fit on an SM at once (registers), all needed to saturate HBM.
@@ -230,15 +234,19 @@ def _sm_count(device_index: int) -> int:
 
 def plan_launch(num_tokens: int, num_seqs: int, group: int, block_size: int,
                 max_blocks_per_seq: int, num_kv_heads: int, device: torch.device,
-                num_splits: int | None = None) -> LaunchPlan:
+                num_splits: int | None = None, elem_bytes: int = 2) -> LaunchPlan:
     """Pick tiles and the split count for a batch; `num_splits` forces the count (tests).
 
     The longest context is bounded by the block table's width (a sequence never outgrows
     its table), so splits are sized from max_blocks_per_seq * block_size: tables as wide
     as the batch's longest sequence give the best splits, wider ones only fewer.
+    `elem_bytes` is the K/V element size (fp32 decodes take smaller tiles).
     """
     decode_only = num_tokens == num_seqs
-    tiles = DECODE_TILES if decode_only else PREFILL_TILES
+    if decode_only:
+        tiles = DECODE_TILES if elem_bytes <= 2 else DECODE_TILES_FP32
+    else:
+        tiles = PREFILL_TILES
     block_m = max(tiles.min_block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
@@ -292,7 +300,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
 
     plan = plan_launch(num_tokens, num_seqs, group, block_size, block_tables.shape[1],
-                       num_kv_heads, query.device, num_splits)
+                       num_kv_heads, query.device, num_splits, k_cache.element_size())
     split = plan.num_splits > 1
     if split:
         part_acc = torch.empty((plan.num_splits, num_tokens, num_q_heads, head_dim),

@@ -65,8 +65,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         qlen = q1 - q0
         # query row i sits at position ctx - qlen + i and sees keys 0..that position.
-        pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-        mask = torch.arange(ctx).unsqueeze(0) <= pos                    # [q, ctx]
+        pos = torch.arange(ctx - qlen, ctx, device=query.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= pos   # [q, ctx]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1).to(query.dtype)
     return out

@@ -139,7 +139,10 @@ def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
         if all(s.num_tokens == 1 for s in plan.scheduled) and len(plan.scheduled) == batch:
             marks.append(now())
 
-    loop.run(prompts, new_tokens=steps + 2, on_step=on_step)
+    # The first prompts start decoding while the last are still in prefill: generate long
+    # enough that `steps` + 2 steps find the whole batch decoding.
+    prefill_steps = -(-batch * prompt_len // loop.budget)
+    loop.run(prompts, new_tokens=steps + 2 + prefill_steps, on_step=on_step)
     # marks[i] is the end of decode step i; time steps 1.. to skip the first one
     return batch * (len(marks) - 1) / (marks[-1] - marks[0])
 

@@ -75,7 +75,8 @@ def _attention(name: str, dtype: str, num_tokens: int, num_seqs: int, group: int
                head_dim: int = 128, block_size: int = 16, max_blocks: int = 2048,
                num_kv_heads: int = 8) -> dict:
     plan = pa.plan_launch(num_tokens, num_seqs, group, block_size, max_blocks, num_kv_heads,
-                          torch.device("cpu"), num_splits=1 if num_seqs > 1 else 8)
+                          torch.device("cpu"), num_splits=1 if num_seqs > 1 else 8,
+                          elem_bytes=4 if dtype == "fp32" else 2)
     io = {p: dtype for p in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     ints = {p: "i32" for p in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
     parts = {p: "fp32" for p in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
@@ -98,8 +99,10 @@ def compile_all() -> list[dict]:
         _attention("paged_attention prefill", "bf16", 4096, 4, group=4),
         _attention("paged_attention prefill d64 gqa3", "bf16", 4096, 4, group=3, head_dim=64,
                    num_kv_heads=3),
-        _attention("paged_attention fp32 (tests)", "fp32", 64, 8, group=3, head_dim=64,
+        _attention("paged_attention fp32 prefill", "fp32", 64, 8, group=3, head_dim=64,
                    num_kv_heads=1),
+        _attention("paged_attention fp32 decode", "fp32", 64, 64, group=4),
+        _attention("paged_attention fp32 split decode", "fp32", 1, 1, group=8),
     ]
     merge = _compile("merge_splits", pa._merge_splits_kernel,
                      {"out_ptr": "bf16", "part_acc_ptr": "fp32", "part_m_ptr": "fp32",

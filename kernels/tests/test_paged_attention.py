@@ -41,7 +41,7 @@ CASES = {
     "fp32-gqa3-d64-bs8-split4-mixed": (
         [(200, 1), (150, 1), (190, 12), (1, 1)], 1, 3, 64, 8, torch.float32, 4),
     "bf16-gqa8-d128-bs16-split4-decodes": (
-        [(180, 1), (64, 1), (2, 1)], 1, 8, 128, 16, torch.bfloat16, 4),
+        [(450, 1), (64, 1), (2, 1)], 1, 8, 128, 16, torch.bfloat16, 4),
     "fp32-gqa1-d128-bs32-split2-prefill": (
         [(130, 130), (97, 40)], 1, 1, 128, 32, torch.float32, 2),
 }
