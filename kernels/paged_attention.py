@@ -205,7 +205,7 @@ class TileConfig:
 # --tune, docs/kernels.md), 11 % under the former 64 / 4 warps / 2 stages. fp32 K/V tiles
 # are twice the bytes: that config's stages would not fit in shared memory at head dim 128.
 # Batches with prefill chunks: 64 rows, so each K/V tile loaded is reused by more query rows.
-DECODE_TILES = TileConfig(min_block_m=16, block_n=128, num_warps=8, num_stages=3)
+DECODE_TILES = TileConfig(min_block_m=16, block_n=128, num_warps=4, num_stages=3)
 DECODE_TILES_FP32 = TileConfig(min_block_m=16, block_n=64, num_warps=4, num_stages=2)
 PREFILL_TILES = TileConfig(min_block_m=64, block_n=64, num_warps=4, num_stages=3)
 # Split the context while fewer than this many programs per SM would run: a decode program

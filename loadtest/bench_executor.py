@@ -221,6 +221,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the GPU path (no roofline, which is a CPU figure)")
+    ap.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                    help="GPU: decode steps of up to this many seqs replay CUDA graphs (0: "
+                         "eager, the baseline)")
     ap.add_argument("--model", default=None,
                     help="served name, .gguf or HF folder (default: the bundled SmolLM2)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -253,11 +256,14 @@ def main() -> None:
             "threads (" + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in by_lib.items()) + ")")
     else:
         res["gpu"] = torch.cuda.get_device_name()
+        res["cuda_graph_max_batch"] = args.cuda_graph_max_batch
     model = {"model": args.model} if args.model else {}
     for dt in dtypes:
         runner = ModelRunner(ExecutorConfig(dtype=dt, device=args.device, kv_cache_gib=2.5,
                                             swap_space_gib=0.0,
-                                            max_num_batched_tokens=args.budget, **model))
+                                            max_num_batched_tokens=args.budget,
+                                            cuda_graph_max_batch=args.cuda_graph_max_batch,
+                                            **model))
         if not cpu:
             res.setdefault("num_gpu_blocks", {})[dt] = runner.num_gpu_blocks
         prompts = workload(args.requests, 32, 256, runner.args.vocab_size)

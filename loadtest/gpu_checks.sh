@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a CUDA machine that has torch, triton and transformers
-# (GPU time is scarce: one prepared script, stages in order of importance, each under its
-# own time limit so that a slow one cannot starve the rest).
+# (GPU time is scarce: one prepared script, each check under its own time limit so that a
+# slow one cannot starve the rest).
 #
-#   loadtest/gpu_checks.sh OUTDIR
+#   loadtest/gpu_checks.sh OUTDIR              # all checks, in this order (~6 min, H200)
+#   loadtest/gpu_checks.sh OUTDIR CHECK...     # some of them, in the order given
 #
-# OUTDIR receives: all.log (every stage's output, the step profiles too),
-# bench_paged_attention.json and kernels_decode.png (the kernel sweep), and
-# bench_executor_gpu.json (the executor against transformers on a SmolLM2-shaped random
-# model). About 6 minutes on an H200.
-# tests/conftest.py needs the redis client: PYTHONPATH must provide it where it is missing.
+# Checks:
+#   env            nvidia-smi and the versions of torch, triton, transformers
+#   kernel_tests   every kernel test, compiled for this GPU (the CPU runs them interpreted)
+#   kernel_bench   the decode kernel sweep, batch 1-256 x context 512-32k, against the
+#                  copy bandwidth and torch SDPA -> bench_paged_attention.json, kernels_decode.png
+#   executor_tests the executor's GPU path against transformers on the same GPU
+#   profile        where a bf16 decode step's time goes, batch 1 and 64, eager and graphs
+#   executor_bench the executor against transformers generate on a SmolLM2-shaped random
+#                  model, bf16 and fp32, CUDA graphs on -> bench_executor_gpu.json
+#   executor_eager the same in bf16 with CUDA graphs off (the baseline), no transformers
+#                  -> bench_executor_gpu_eager.json
+# Everything printed goes to OUTDIR/all.log. tests/conftest.py needs the redis client:
+# PYTHONPATH must provide it where it is missing.
 set -u
-OUT=${1:?usage: loadtest/gpu_checks.sh OUTDIR}
+OUT=${1:?usage: loadtest/gpu_checks.sh OUTDIR [CHECK...]}
+shift
+CHECKS=${*:-env kernel_tests kernel_bench executor_tests profile executor_bench executor_eager}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 LOG="$OUT/all.log"
+MODEL=/tmp/smollm2-random
 : > "$LOG"
 
 stage() {   # stage NAME SECONDS COMMAND...
@@ -28,26 +40,54 @@ stage() {   # stage NAME SECONDS COMMAND...
     echo "=== $name: rc=$rc after $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-stage env 15 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; \
+random_model() {
+    [ -f "$MODEL/config.json" ] || stage random_model 40 $PY loadtest/random_model.py "$MODEL"
+}
+
+for check in $CHECKS; do
+    case $check in
+    env)
+        stage env 15 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; \
 print(torch.__version__, triton.__version__, transformers.__version__, \
-torch.cuda.get_device_name())'"
-# 1. Every kernel test, compiled for this GPU (the CPU runs them interpreted).
-stage kernel_tests 90 $PY -m pytest -q -p no:cacheprovider -n 8 kernels/tests
-# 2. The decode kernel sweep: batch 1-256 x context 512-32k, against copy bandwidth and SDPA.
-stage bench_paged_attention 60 $PY -m kernels.bench_paged_attention \
-    --json "$OUT/bench_paged_attention.json" --plot "$OUT/kernels_decode.png"
-# 3. The executor's GPU path against transformers on the same GPU.
-stage executor_gpu_tests 90 $PY -m pytest -q -p no:cacheprovider tests/executor/test_gpu_runner.py
-# 4. Where a decode step's time goes, then the executor against transformers generate.
-stage random_model 30 $PY loadtest/random_model.py /tmp/smollm2-random
-for batch in 1 64; do
-    stage profile_b$batch 40 $PY loadtest/profile_step.py --device cuda \
-        --model /tmp/smollm2-random --dtype bfloat16 --batch $batch --steps 10
+torch.cuda.get_device_name())'" ;;
+    kernel_tests)
+        stage kernel_tests 90 $PY -m pytest -q -p no:cacheprovider -n 8 kernels/tests ;;
+    kernel_bench)
+        stage kernel_bench 60 $PY -m kernels.bench_paged_attention \
+            --json "$OUT/bench_paged_attention.json" --plot "$OUT/kernels_decode.png" ;;
+    executor_tests)
+        stage executor_tests 120 $PY -m pytest -q -p no:cacheprovider \
+            tests/executor/test_gpu_runner.py ;;
+    profile)
+        random_model
+        for graphs in 0 256; do
+            for batch in 1 64; do
+                stage "profile_b${batch}_graphs$graphs" 40 $PY loadtest/profile_step.py \
+                    --device cuda --model "$MODEL" --dtype bfloat16 --batch $batch \
+                    --steps 10 --cuda-graph-max-batch $graphs
+            done
+        done ;;
+    executor_bench)
+        random_model
+        stage executor_bench 120 bash -c "$PY loadtest/bench_executor.py --json \
+            --device cuda --model $MODEL --dtypes bfloat16,float32 --requests 256 \
+            --batches 1,8,32,64,128,256 --hf-batches 128,256 \
+            > '$OUT/bench_executor_gpu.json'" ;;
+    executor_bench_bf16)   # the same, bf16 only and transformers at batch 256 only
+        random_model
+        stage executor_bench_bf16 90 bash -c "$PY loadtest/bench_executor.py --json \
+            --device cuda --model $MODEL --dtypes bfloat16 --requests 256 \
+            --batches 1,8,32,64,128,256 --hf-batches 256 > '$OUT/bench_executor_gpu.json'" ;;
+    executor_eager)
+        random_model
+        stage executor_eager 90 bash -c "$PY loadtest/bench_executor.py --json \
+            --device cuda --model $MODEL --dtypes bfloat16 --requests 256 \
+            --batches 1,8,32,64,128,256 --no-hf --cuda-graph-max-batch 0 \
+            > '$OUT/bench_executor_gpu_eager.json'" ;;
+    *)
+        echo "unknown check $check" | tee -a "$LOG" ;;
+    esac
 done
-stage bench_executor 120 bash -c "$PY loadtest/bench_executor.py --json --device cuda \
-    --model /tmp/smollm2-random --dtypes bfloat16,float32 --requests 256 \
-    --batches 1,8,32,64,128,256 --hf-batches 128,256 > '$OUT/bench_executor_gpu.json'"
-# Decode tile tuning (not run by default; the defaults in kernels/paged_attention.py come
-# from it):
-#   python -m kernels.bench_paged_attention --tune --batches 1,64 --contexts 4096 --no-sdpa
 echo "=== done $(date +%T)" | tee -a "$LOG"
+# Decode tile tuning (not a check; the defaults in kernels/paged_attention.py come from it):
+#   python -m kernels.bench_paged_attention --tune --batches 1,64 --contexts 4096 --no-sdpa

@@ -37,10 +37,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20, help="decode steps profiled")
     ap.add_argument("--rows", type=int, default=25, help="rows per table")
+    ap.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                    help="GPU decode steps of up to this many seqs replay CUDA graphs (0: off)")
     args = ap.parse_args()
     model = {"model": args.model} if args.model else {}
     runner = ModelRunner(ExecutorConfig(dtype=args.dtype, device=args.device, kv_cache_gib=1.0,
                                         swap_space_gib=0.0, gpu_memory_utilization=0.5,
+                                        cuda_graph_max_batch=args.cuda_graph_max_batch,
                                         **model))
     prompts = workload(args.batch, args.prompt_len, args.prompt_len, runner.args.vocab_size)
     loop = Loop(runner, budget=max(2048, args.prompt_len))
@@ -78,8 +81,9 @@ def main() -> None:
     if not times:
         sys.exit("no whole-batch decode steps were profiled: raise --steps")
     step_ms = 1e3 * sum(times) / len(times)
-    print(f"{args.device} {args.dtype} batch {args.batch}: {step_ms:.2f} ms per decode step "
-          f"({args.batch / step_ms * 1e3:.0f} tok/s) over {len(times)} profiled steps "
+    graphs = "" if args.device != "cuda" else f", graphs up to {args.cuda_graph_max_batch}"
+    print(f"{args.device} {args.dtype} batch {args.batch}{graphs}: {step_ms:.2f} ms per "
+          f"decode step ({args.batch / step_ms * 1e3:.0f} tok/s) over {len(times)} profiled steps "
           "(profilers on: slower than unprofiled)")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.rows)

@@ -70,6 +70,8 @@ _EXECUTOR = [
     ("--swap-space-gib", "PAGEDSERVE_SWAP_SPACE_GIB", 1.0, float, "CPU swap pool (GiB)"),
     ("--num-gpu-blocks", "PAGEDSERVE_NUM_GPU_BLOCKS", None, int,
      "fix the KV pool size in blocks (overrides the memory-based sizing)"),
+    ("--cuda-graph-max-batch", "PAGEDSERVE_CUDA_GRAPH_MAX_BATCH", 256, int,
+     "GPU decode steps of up to this many sequences replay a CUDA graph (0: eager)"),
     ("--seed", "PAGEDSERVE_SEED", 0, int, "default sampling seed"),
     ("--num-threads", "PAGEDSERVE_NUM_THREADS", 0, int,
      "CPU threads per executor rank (0: the cores shared out over the ranks)"),

@@ -28,6 +28,8 @@ class ExecutorConfig:
     seed: int = 0                      # RNG of unseeded requests
     num_threads: int = 0               # CPU intra-op threads; 0 = one per core
     num_gpu_blocks: int | None = None  # override the sized KV pool (tests, capacity experiments)
+    # GPU decode steps of up to this many sequences replay a CUDA graph; 0: always eager
+    cuda_graph_max_batch: int = 256
     # Tensor parallelism: this process is rank `rank` of `tensor_parallel_size`, joining the
     # others through a torch.distributed rendezvous at dist_host:dist_port.
     tensor_parallel_size: int = 1
@@ -51,6 +53,9 @@ class ExecutorConfig:
         for name in ("kv_cache_gib", "swap_space_gib"):
             if getattr(self, name) < 0:
                 raise ExecutorConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cuda_graph_max_batch < 0:
+            raise ExecutorConfigError("cuda_graph_max_batch must be >= 0 (0 disables CUDA "
+                                      f"graphs), got {self.cuda_graph_max_batch}")
         if self.max_num_batched_tokens < 1:
             raise ExecutorConfigError("max_num_batched_tokens must be >= 1")
         if self.tensor_parallel_size < 1:

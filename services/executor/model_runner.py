@@ -23,6 +23,7 @@ import torch
 
 from services.executor.attention import AttentionMetadata
 from services.executor.config import ExecutorConfig, ExecutorConfigError
+from services.executor.cuda_graphs import DecodeGraphs, GraphCaptureError
 from services.executor.kv_cache import GIB, KVCache, block_bytes, blocks_in, gpu_kv_budget_bytes
 from services.executor.model_loader import ensure_hf_folder, load_model, read_args
 from services.executor.parallel import ProcessGroup, Shard
@@ -109,6 +110,12 @@ class ModelRunner:
         self.kv = KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
                           self.block_size, self.args.num_kv_heads, self.args.head_dim,
                           self.dtype, self.device)
+        # Decode steps on a GPU replay CUDA graphs (one process: the TP all-reduce is not
+        # captured); everything else runs eagerly.
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and tp == 1:
+            self.graphs = DecodeGraphs(self.model, self.kv.gpu, self.block_size,
+                                       self.max_model_len, config.cuda_graph_max_batch)
         self.sampler = Sampler(config.seed)
         self.seqs: dict[int, SeqState] = {}
         self.keep_logits = False                      # tests: keep each sampling row's logits
@@ -193,12 +200,22 @@ class ModelRunner:
         input_ids: list[int] = []
         for s, st in zip(order, states):
             input_ids += st.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_tokens]
-        meta = AttentionMetadata.build([st.block_table for st in states],
-                                       [s.num_computed_tokens for s in order],
-                                       [s.num_tokens for s in order], self.block_size,
-                                       self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
+        computed = [s.num_computed_tokens for s in order]
+        hidden = None
+        if (self.graphs is not None and all(s.num_tokens == 1 for s in order)
+                and self.graphs.fits(len(order), max(computed) + 1)):
+            try:
+                hidden = self.graphs.forward(input_ids, computed,
+                                             [st.block_table for st in states])
+            except GraphCaptureError as exc:
+                log.warning("%s; decode steps run eagerly from now on", exc)
+                self.graphs = None
+        if hidden is None:
+            meta = AttentionMetadata.build([st.block_table for st in states], computed,
+                                           [s.num_tokens for s in order], self.block_size,
+                                           self.device)
+            ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
         if not self.is_driver:
             return [SeqSample(s.seq_id, -1) for s in scheduled]
 

@@ -2,8 +2,9 @@
 
 What only a GPU exercises: the Triton kernels inside the real forward (paged attention with
 prefill tiles, decode tiles and context splits; the K/V write; the block swap between the
-GPU pool and pinned host memory), the KV pool sized from the memory left after a profiling
-forward, and the CUDA sampling path.
+GPU pool and pinned host memory), decode steps replayed from CUDA graphs (padded batch
+sizes), the KV pool sized from the memory left after a profiling forward, and the CUDA
+sampling path.
 
 The model has SmolLM2-135M-Instruct's shapes (9 query heads over 3 KV heads of 64, vocab
 49152, tied embeddings) with random weights (loadtest/random_model.py): GPU machines get
@@ -44,12 +45,12 @@ def model(tmp_path_factory):
     return folder, hf.to(DEVICE)
 
 
-def _runner(folder, dtype: str):
+def _runner(folder, dtype: str, **extra):
     from services.executor.config import ExecutorConfig
     from services.executor.model_runner import ModelRunner
 
     cfg = dict(model=str(folder), dtype=dtype, device=DEVICE, swap_space_gib=0.5,
-               max_num_batched_tokens=BUDGET, gpu_memory_utilization=0.5)
+               max_num_batched_tokens=BUDGET, gpu_memory_utilization=0.5, **extra)
     if DEVICE == "cpu":
         cfg["num_gpu_blocks"] = 512
     else:
@@ -124,6 +125,8 @@ def test_fp32_runner_matches_transformers_through_swap_and_recompute(model):
     state: dict = {}
     b, logits = _generate(runner, prompts, lambda b: _swap_then_recompute(b, state))
     assert len(state.get("out", [])) >= 2 and len(state.get("dropped", [])) == 3
+    if DEVICE == "cuda":    # decode steps came from graphs, at several padded sizes
+        assert runner.graphs.replays > 0 and runner.graphs.graphs
     ref = _reference(hf, b)
     for sid, seq in b.seqs.items():
         mine = torch.stack(logits[sid])
@@ -151,6 +154,31 @@ def test_bf16_runner_stays_close_to_fp32_transformers(model):
         scale = want.abs().max().item()
         err = (mine - want).abs().max().item()
         assert 0 < err < 0.05 * scale, f"seq {sid}: {err:.3e} against logits up to {scale:.2f}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs exist only there")
+def test_graph_replay_equals_eager_decode(model):
+    """The same generation with decode steps replayed from graphs and run eagerly: the same
+    tokens, and logits equal up to the summation order of a different split count."""
+    folder, hf = model
+    prompts = _prompts(hf.config.vocab_size)
+    eager = _runner(folder, "float32", cuda_graph_max_batch=0)
+    assert eager.graphs is None
+    b_eager, l_eager = _generate(eager, prompts)
+    del eager
+    graphs = _runner(folder, "float32", cuda_graph_max_batch=8)   # bigger batches: eager
+    b_graph, l_graph = _generate(graphs, prompts)
+    assert graphs.graphs.replays > 0
+    for sid in b_eager.seqs:
+        want, got = b_eager.seqs[sid].outputs, b_graph.seqs[sid].outputs
+        # up to a divergence, which only a near-tie may cause (it changes all that follows)
+        same = next((t for t in range(NEW_TOKENS) if got[t] != want[t]), NEW_TOKENS)
+        ref, mine = torch.stack(l_eager[sid][:same + 1]), torch.stack(l_graph[sid][:same + 1])
+        err = (mine[:same] - ref[:same]).abs().max().item() if same else 0.0
+        assert err < 1e-4, f"seq {sid}: graph and eager logits differ by {err:.2e}"
+        if same < NEW_TOKENS:
+            top2 = ref[same].topk(2).values
+            assert top2[0] - top2[1] < 1e-4, f"seq {sid} diverges at {same} without a tie"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the pool is sized from GPU memory only there")
