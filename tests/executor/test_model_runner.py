@@ -264,6 +264,8 @@ def test_config_errors_say_what_to_pass(monkeypatch):
         ExecutorConfig(dtype="fp8").validate()
     with pytest.raises(ExecutorConfigError, match="block_size must be a power of two"):
         ExecutorConfig(block_size=12).validate()
+    with pytest.raises(ExecutorConfigError, match="cuda_graph_max_batch must be >= 0"):
+        ExecutorConfig(cuda_graph_max_batch=-1).validate()
     monkeypatch.setenv("PAGEDSERVE_KV_CACHE_GIB", "3.5")
     monkeypatch.setenv("PAGEDSERVE_MAX_MODEL_LEN", "512")
     cfg = ExecutorConfig.from_env()
@@ -271,6 +273,24 @@ def test_config_errors_say_what_to_pass(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "big")
     with pytest.raises(ExecutorConfigError, match="PAGEDSERVE_BLOCK_SIZE='big'"):
         ExecutorConfig.from_env()
+
+
+def test_cuda_graph_sizes_pad_every_batch_by_less_than_16_rows():
+    from services.executor.cuda_graphs import graph_sizes
+
+    assert graph_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_sizes(256)[-1] == 256
+    assert graph_sizes(8) == [1, 2, 4, 8] and graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    for top in (1, 8, 40, 256):
+        sizes = graph_sizes(top)
+        assert sizes == sorted(set(sizes))
+        for n in range(1, top + 1):
+            padded = next(s for s in sizes if s >= n)
+            assert padded - n < 16 and (n > 8 or padded < 2 * n)
+
+
+def test_cpu_runner_has_no_cuda_graphs(tiny_llama):
+    folder, _ = tiny_llama
+    assert tiny_runner(folder).graphs is None
 
 
 def test_cpu_refuses_float16_with_a_hint(tiny_llama):
