@@ -63,15 +63,35 @@ def _check_against_transformers(b: PlanBuilder, logits, hf_model, hf_greedy,
     mask = torch.tensor([[1] * len(f) + [0] * (width - len(f)) for f in full])
     with torch.inference_mode():
         ref_all = hf_model(ids, attention_mask=mask).logits.float()
-    gemm = runner.model.layers[0].qkv.gemm      # which packed GEMM the runner picked
+    errs = {}
+    for sid, seq in enumerate(seqs):
+        assert len(seq.outputs) == NEW_TOKENS and len(logits[sid]) == NEW_TOKENS
+        ref = ref_all[sid, seq.prompt_len - 1:seq.prompt_len - 1 + NEW_TOKENS]
+        errs[sid] = (torch.stack(logits[sid]) - ref).abs().amax(dim=-1)
+    if max(float(e.max()) for e in errs.values()) >= LOGIT_TOL:
+        # An intermittent failure of this kind was seen twice (session 4, Intel with AMX,
+        # fresh GGUF conversion in the same process) and never reproduced: say everything
+        # that could tell its cause.
+        mkldnn = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "?")
+        per_prompt = ", ".join(f"{sid}: {float(e.max()):.1e} at step {int(e.argmax())}"
+                               for sid, e in errs.items())
+        # Is it the padded reference or the runner? The worst prompt alone, unpadded.
+        worst = max(errs, key=lambda sid: float(errs[sid].max()))
+        seq = seqs[worst]
+        rows = slice(seq.prompt_len - 1, seq.prompt_len - 1 + NEW_TOKENS)
+        with torch.inference_mode():
+            alone = hf_model(torch.tensor([full[worst]])).logits.float()[0, rows]
+        raise AssertionError(
+            f"logits differ from transformers by >= {LOGIT_TOL} (max per prompt: {per_prompt}); "
+            f"prompt {worst} alone: the padded reference is "
+            f"{float((alone - ref_all[worst, rows]).abs().max()):.1e} from it, the runner "
+            f"{float((torch.stack(logits[worst]) - alone).abs().max()):.1e}; "
+            f"fp32 GEMM {runner.model.layers[0].qkv.gemm}, {torch.get_num_threads()} threads, "
+            f"float32 matmul precision {torch.get_float32_matmul_precision()}, "
+            f"mkldnn fp32 precision {mkldnn}")
     for sid, seq in enumerate(seqs):
         out = seq.outputs
-        assert len(out) == NEW_TOKENS and len(logits[sid]) == NEW_TOKENS
         ref = ref_all[sid, seq.prompt_len - 1:seq.prompt_len - 1 + NEW_TOKENS]
-        mine = torch.stack(logits[sid])
-        err = (mine - ref).abs().amax(dim=-1)
-        assert err.max() < LOGIT_TOL, (f"prompt {sid}: step {int(err.argmax())} logits differ "
-                                       f"by {err.max()} (fp32 GEMM: {gemm})")
         top2 = ref.topk(2, dim=-1).values
         gap = top2[:, 0] - top2[:, 1]
         for t in range(NEW_TOKENS):
