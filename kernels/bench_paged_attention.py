@@ -12,7 +12,7 @@ over the pool. For each (batch, context) it reports:
   passed as 4 queries of that head, which is exactly GQA decode), its time, and the
   largest difference between the two outputs.
 
-    python -m kernels.bench_paged_attention             # the full sweep, < 4 min on an H200
+    python -m kernels.bench_paged_attention             # the full sweep, ~20 s on an H200
     python -m kernels.bench_paged_attention --json bench.json --plot docs/kernels_decode.png
     python -m kernels.bench_paged_attention --batches 1,64 --contexts 4096 --tune
 """
