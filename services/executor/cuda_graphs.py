@@ -19,8 +19,8 @@ of 16); its extra rows are padding whose outputs are dropped. The attention kern
 plan depends only on shapes, so it is the same at every replay: the context split count
 comes from the fixed table width, and splits past a sequence's context exit at once.
 
-Graphs are captured on first use of a size (a few forwards, ~0.1 s), share one memory
-pool, and are replayed one at a time: each replay's output is consumed before the next.
+Graphs are captured on first use of a size (two warm-up forwards and the capture), share
+one memory pool, and are replayed one at a time: each replay's output is consumed before the next.
 Steps with a prefill chunk, more sequences than the largest size, or a context longer
 than the graph tables run eagerly.
 """
