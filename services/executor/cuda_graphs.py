@@ -20,9 +20,9 @@ plan depends only on shapes, so it is the same at every replay: the context spli
 comes from the fixed table width, and splits past a sequence's context exit at once.
 
 Graphs are captured on first use of a size (two warm-up forwards and the capture), share
-one memory pool, and are replayed one at a time: each replay's output is consumed before the next.
-Steps with a prefill chunk, more sequences than the largest size, or a context longer
-than the graph tables run eagerly.
+one memory pool, and are replayed one at a time: each replay's output is consumed before
+the next. Steps with a prefill chunk, more sequences than the largest size, or a context
+longer than the graph tables run eagerly.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 
 from services.executor.attention import AttentionMetadata
 
-log = logging.getLogger("pagedserve.executor")
+log = logging.getLogger(__name__)
 
 GRAPH_MAX_CONTEXT = 8192   # tokens: wider tables cost every replay more split programs
 
