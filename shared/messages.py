@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, declared once.
 
-Wires (see ../DESIGN.md):
+Wires (docs/design.md walks one request through all of them):
 
     gateway ──GenerationRequest──▶ Redis ──▶ scheduler          (request stream)
     gateway ──AbortRequest───────▶ Redis ──▶ scheduler          (abort stream)
@@ -102,8 +102,8 @@ class RequestOutput:
 class NewSeq:
     """A sequence the executors do not know yet (admitted, forked, or resumed by recompute).
 
-    The executors keep it, updated by `ScheduledSeq` diffs, until its id appears in
-    `StepPlan.finished_seq_ids`.
+    The executors keep it, updated by the plan's row diffs, until its id appears in
+    `StepPlan.finished_seq_ids`. A new sequence that runs this step also has a row.
     """
 
     seq_id: int
@@ -116,51 +116,66 @@ class NewSeq:
 
 
 @message
-class ScheduledSeq:
-    """One sequence's work in this step.
+class StepPlan:
+    """One iteration's work for the executors. Columnar: row r of the step is the r-th entry
+    of every per-row list (parallel lists, no object per sequence).
 
-    Block table diff, applied first: truncate to `block_keep` entries (-1: keep all), then
-    append `block_append`. This covers growth (append), copy-on-write of the last block
-    (keep len-1, append the copy) and swap-in (keep 0, append the new table).
+        row r   seq_ids  num_computed_tokens  num_tokens  append_token_ids  block_keep  block_append
+        ─────   ───────  ───────────────────  ──────────  ────────────────  ──────────  ────────────
+        0       12       300                  1           [873]             -1          []
+        1       40       64                   1           [11]              -1          [95]
+        2       41       0                    37          []                -1          []
+                 ▲ rows < num_sampling_rows sample one token; rows ≥ it are prefill chunks
+                   that stop short of their sequence's end (their tokens are not sampled)
+
+    Per row, applied first: append `append_token_ids` (tokens added since the executors last
+    saw the seq), then the block-table diff: truncate to `block_keep` entries (-1: keep all),
+    then append `block_append`. That covers growth (append), copy-on-write of the last block
+    (keep len-1, append the copy) and swap-in (keep 0, append the new table). Then the row
+    runs tokens [num_computed_tokens, num_computed_tokens + num_tokens) of its seq.
+
+    Rows that sample come first, decodes (num_tokens == 1) first among them, so the executor
+    runs the rows in plan order and `StepResult.token_ids[r]` answers row r. A row samples
+    iff num_computed_tokens + num_tokens == its seq's length after appending.
     """
 
-    seq_id: int
-    num_computed_tokens: int         # tokens of this seq whose KV is already in the cache
-    num_tokens: int                  # tokens to run this step: a prefill chunk, or 1 to decode
-    append_token_ids: list[int] = field(default_factory=list)  # tokens added since last step
-    block_keep: int = -1
-    block_append: list[int] = field(default_factory=list)
-    # Sampling happens iff num_computed_tokens + num_tokens == len(tokens) after appending.
-
-
-@message
-class StepPlan:
     step_id: int
     new_seqs: list[NewSeq] = field(default_factory=list)
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # tokens with KV in the cache
+    num_tokens: list[int] = field(default_factory=list)           # tokens to run (chunk or 1)
+    append_token_ids: list[list[int]] = field(default_factory=list)
+    block_keep: list[int] = field(default_factory=list)
+    block_append: list[list[int]] = field(default_factory=list)
+    num_sampling_rows: int = 0
     # Cache operations, applied before the forward, in this order:
     swap_out: list[list[int]] = field(default_factory=list)   # [[gpu_block, cpu_block], ...]
     swap_in: list[list[int]] = field(default_factory=list)    # [[cpu_block, gpu_block], ...]
     copy: list[list[int]] = field(default_factory=list)       # [[src_gpu, dst_gpu], ...]
     finished_seq_ids: list[int] = field(default_factory=list)  # drop state (finished/preempted)
 
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_ids)
+
 
 # ---------------------------------------------------------------- step result (executor → scheduler)
 
 
 @message
-class SeqSample:
-    seq_id: int
-    token_id: int                    # sampled token; -1 when the seq did not sample this step
-    logprob: float = 0.0             # log_softmax of the raw model logits (before penalties/temperature)
-    top: list[list] = field(default_factory=list)  # [[token_id, logprob], ...]: max(logprobs, 2*beam_width)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt position
-    # computed this step, when requested (position 0 has none and is not included)
-
-
-@message
 class StepResult:
+    """The answer to the StepPlan with the same step_id. Positional: entry r of each list
+    belongs to row r of the plan (no seq ids travel back)."""
+
     step_id: int
-    samples: list[SeqSample] = field(default_factory=list)
-    error: str | None = None
+    token_ids: list[int] = field(default_factory=list)   # one per sampling row
+    # log_softmax of the raw model logits (before penalties/temperature), one per sampling row:
+    logprobs: list[float] = field(default_factory=list)
+    # Empty when no row asked for candidates; else one per sampling row:
+    # [[token_id, logprob], ...] best first, max(logprobs, 2 * beam_width) of them.
+    top: list[list[list]] = field(default_factory=list)
+    # Empty when no row asked for prompt logprobs; else one list per plan row: the prompt
+    # positions that row computed (position 0 has none and is not included).
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    error: str | None = None         # the step failed: nothing above is valid
     forward_ms: float = 0.0

@@ -13,7 +13,8 @@ splits the batch in two and keeps `kernels.reference` as the oracle in the tests
                                        each with many query rows); a chunk that starts at
                                        position 0 attends to its fresh K/V directly
 
-The runner orders the flat batch that way; `AttentionMetadata.build` checks it.
+The step plan orders its rows that way (shared/messages.py, StepPlan) and the runner keeps
+the plan's order.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class AttentionMetadata:
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int],
               num_tokens: list[int], block_size: int, device: torch.device) -> "AttentionMetadata":
-        """Metadata for sequences scheduled in this order (decodes, q_len 1, first).
+        """Metadata for sequences scheduled in this order (decodes, q_len 1, first: they run
+        as one batch).
 
         block_tables[b] must cover positions < num_computed[b] + num_tokens[b].
         """
@@ -84,11 +86,11 @@ class AttentionMetadata:
             meta.seq_lens = meta.seq_lens.to(device, non_blocking=True)
             meta.query_start_loc = meta.query_start_loc.to(device, non_blocking=True)
             return meta
+        # The leading run of one-token rows is the decode batch; a one-token row after it (a
+        # prefill chunk of one token) runs as a chunk.
         nd = 0
         while nd < nseq and num_tokens[nd] == 1:
             nd += 1
-        if any(n == 1 for n in num_tokens[nd:]):
-            raise ValueError("decodes (num_tokens == 1) must come first in the flat batch")
         meta.num_decode = nd
         if nd:
             dmax = max(nblocks[:nd])

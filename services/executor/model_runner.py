@@ -2,12 +2,13 @@
 
     execute(plan)
       1. drop finished_seq_ids, register new_seqs
-      2. per ScheduledSeq: append tokens, apply the block-table diff (keep, append)
+      2. per row of the plan: append tokens, apply the block-table diff (keep, append)
       3. cache ops in order: swap_out, swap_in, copy
-      4. one forward over the flat batch (decodes first, then prefill chunks); chunk of a
-         seq = tokens[num_computed : num_computed + num_tokens]
-      5. LM head on the rows that sample or want prompt logprobs only; sample
-      6. StepResult: one SeqSample per scheduled seq (token_id -1 if it did not sample)
+      4. one forward over the flat batch, rows in plan order (the plan puts decodes first);
+         row r runs tokens[num_computed[r] : num_computed[r] + num_tokens[r]] of its seq
+      5. LM head on the rows that sample (the first num_sampling_rows) or want prompt
+         logprobs only; sample
+      6. StepResult, positional: token_ids[r] is row r's sample
 
 The runner never decides policy: it trusts the plan, checks it only enough to fail
 with a clear StepResult.error instead of corrupting memory.
@@ -28,8 +29,7 @@ from services.executor.kv_cache import GIB, KVCache, block_bytes, blocks_in, gpu
 from services.executor.model_loader import ensure_hf_folder, load_model, read_args
 from services.executor.parallel import ProcessGroup, Shard
 from services.executor.sampler import Sampler, SampleRow
-from shared.messages import (NewSeq, SamplingParams, ScheduledSeq, SeqSample, StepPlan,
-                             StepResult, TokenLogprob)
+from shared.messages import NewSeq, SamplingParams, StepPlan, StepResult, TokenLogprob
 from shared.model_source import resolve_model
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                samples = self._execute(plan)
+                result = self._execute(plan)
         except Exception as exc:  # one bad plan must not take the executor down
             log.exception("step %s failed", plan.step_id)
             kind = "invalid plan" if isinstance(exc, PlanError) else type(exc).__name__
@@ -141,23 +141,27 @@ class ModelRunner:
                 self.broken = True
             return StepResult(plan.step_id, error=f"executor step {plan.step_id} failed "
                               f"({kind}): {exc}")
-        return StepResult(plan.step_id, samples, forward_ms=(time.perf_counter() - t0) * 1e3)
+        result.forward_ms = (time.perf_counter() - t0) * 1e3
+        return result
 
-    def _execute(self, plan: StepPlan) -> list[SeqSample]:
+    def _execute(self, plan: StepPlan) -> StepResult:
         for sid in plan.finished_seq_ids:
             self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
             self._add_seq(ns)
-        if len({s.seq_id for s in plan.scheduled}) != len(plan.scheduled):
+        columns = (plan.num_computed_tokens, plan.num_tokens, plan.append_token_ids,
+                   plan.block_keep, plan.block_append)
+        if any(len(col) != len(plan.seq_ids) for col in columns):
+            raise PlanError("the plan's row columns differ in length")
+        if len(set(plan.seq_ids)) != len(plan.seq_ids):
             raise PlanError("a seq is scheduled twice in one step")
-        for s in plan.scheduled:
-            self._apply_diff(s)
+        states = [self._apply_diff(*row) for row in zip(plan.seq_ids, *columns)]
         self.kv.swap_out(plan.swap_out)
         self.kv.swap_in(plan.swap_in)
         self.kv.copy(plan.copy)
-        if not plan.scheduled:
-            return []
-        return self._run(plan.scheduled)
+        if not states:
+            return StepResult(plan.step_id)
+        return self._run(plan, states)
 
     def _add_seq(self, ns: NewSeq) -> None:
         if not 0 < ns.prompt_len <= len(ns.token_ids):
@@ -172,38 +176,39 @@ class ModelRunner:
             raise PlanError(f"seq {seq_id}: block id outside the pool of {self.num_gpu_blocks} "
                             f"blocks in {blocks}")
 
-    def _apply_diff(self, s: ScheduledSeq) -> None:
-        st = self.seqs.get(s.seq_id)
+    def _apply_diff(self, seq_id: int, computed: int, num_tokens: int, append: list[int],
+                    keep: int, blocks: list[int]) -> SeqState:
+        """Apply one row's diffs to its seq's state; returns the state."""
+        st = self.seqs.get(seq_id)
         if st is None:
-            raise PlanError(f"seq {s.seq_id} is scheduled but unknown to the executor "
+            raise PlanError(f"seq {seq_id} is scheduled but unknown to the executor "
                             "(send it as NewSeq first)")
-        st.token_ids.extend(s.append_token_ids)
-        if s.block_keep >= 0:
-            del st.block_table[s.block_keep:]
-        self._check_blocks(s.seq_id, s.block_append)
-        st.block_table.extend(s.block_append)
-        end = s.num_computed_tokens + s.num_tokens
-        if s.num_tokens < 1 or s.num_computed_tokens < 0 or end > len(st.token_ids):
-            raise PlanError(f"seq {s.seq_id}: tokens [{s.num_computed_tokens}, {end}) are not "
+        st.token_ids.extend(append)
+        if keep >= 0:
+            del st.block_table[keep:]
+        self._check_blocks(seq_id, blocks)
+        st.block_table.extend(blocks)
+        end = computed + num_tokens
+        if num_tokens < 1 or computed < 0 or end > len(st.token_ids):
+            raise PlanError(f"seq {seq_id}: tokens [{computed}, {end}) are not "
                             f"within its {len(st.token_ids)} tokens")
         if end > self.max_model_len:
-            raise PlanError(f"seq {s.seq_id}: {end} tokens exceed max_model_len "
+            raise PlanError(f"seq {seq_id}: {end} tokens exceed max_model_len "
                             f"{self.max_model_len}")
         if len(st.block_table) * self.block_size < end:
-            raise PlanError(f"seq {s.seq_id}: {len(st.block_table)} blocks cannot hold {end} "
+            raise PlanError(f"seq {seq_id}: {len(st.block_table)} blocks cannot hold {end} "
                             "tokens")
+        return st
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> list[SeqSample]:
-        # Decodes first: the CPU attention handles them in one vectorised call.
-        order = sorted(scheduled, key=lambda s: s.num_tokens != 1)
-        states = [self.seqs[s.seq_id] for s in order]
+    def _run(self, plan: StepPlan, states: list[SeqState]) -> StepResult:
+        computed, num_tokens = plan.num_computed_tokens, plan.num_tokens
+        num_sampling = plan.num_sampling_rows
         input_ids: list[int] = []
-        for s, st in zip(order, states):
-            input_ids += st.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_tokens]
-        computed = [s.num_computed_tokens for s in order]
+        for c, n, st in zip(computed, num_tokens, states):
+            input_ids += st.token_ids[c:c + n]
         hidden = None
-        if (self.graphs is not None and all(s.num_tokens == 1 for s in order)
-                and self.graphs.fits(len(order), max(computed) + 1)):
+        if (self.graphs is not None and len(input_ids) == len(states)
+                and self.graphs.fits(len(states), max(computed) + 1)):
             try:
                 hidden = self.graphs.forward(input_ids, computed,
                                              [st.block_table for st in states])
@@ -212,85 +217,86 @@ class ModelRunner:
                 self.graphs = None
         if hidden is None:
             meta = AttentionMetadata.build([st.block_table for st in states], computed,
-                                           [s.num_tokens for s in order], self.block_size,
-                                           self.device)
+                                           num_tokens, self.block_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
         if not self.is_driver:
-            return [SeqSample(s.seq_id, -1) for s in scheduled]
+            return StepResult(plan.step_id)      # rank 0 samples and replies
 
-        # Which rows get logits: sampling rows first, then prompt-logprob rows.
+        # Which rows of `hidden` get logits: one per sampling row, then prompt-logprob rows.
         sample_rows: list[int] = []
-        sample_seqs: list[int] = []             # index into `order`
-        prompt_rows: list[tuple[int, int, int]] = []  # (order index, first row, row count)
+        prompt_rows: list[tuple[int, int, int]] = []  # (plan row, first hidden row, count)
         row = 0
-        for j, (s, st) in enumerate(zip(order, states)):
-            c, n = s.num_computed_tokens, s.num_tokens
-            if c + n == len(st.token_ids):
+        for r, (c, n, st) in enumerate(zip(computed, num_tokens, states)):
+            if (c + n == len(st.token_ids)) != (r < num_sampling):
+                raise PlanError(f"row {r} (seq {plan.seq_ids[r]}): the plan's "
+                                f"num_sampling_rows ({num_sampling}) disagrees with whether "
+                                "the row reaches the end of its tokens")
+            if r < num_sampling:
                 sample_rows.append(row + n - 1)
-                sample_seqs.append(j)
             if st.sampling.prompt_logprobs is not None:
-                # row r predicts position r + 1; prompt positions end at prompt_len - 1
+                # row x predicts position x + 1; prompt positions end at prompt_len - 1
                 cnt = max(0, min(c + n, st.prompt_len - 1) - c)
                 if cnt or st.pending_pos == c:
-                    prompt_rows.append((j, row, cnt))
+                    prompt_rows.append((r, row, cnt))
             row += n
         rows = sample_rows + [r0 + i for _, r0, cnt in prompt_rows for i in range(cnt)]
-        out = [SeqSample(s.seq_id, -1) for s in order]
         logits = self.model.compute_logits(
             hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device)))
-        self._sample(logits[:len(sample_rows)], order, states, sample_seqs, out)
-        self._prompt_logprobs(logits[len(sample_rows):], order, states, prompt_rows, out)
-        pos = {s.seq_id: i for i, s in enumerate(order)}
-        return [out[pos[s.seq_id]] for s in scheduled]
+        result = self._sample(plan, logits[:num_sampling], states[:num_sampling])
+        if prompt_rows:
+            result.prompt_logprobs = self._prompt_logprobs(
+                logits[num_sampling:], plan, states, prompt_rows)
+        return result
 
-    def _sample(self, logits, order, states, sample_seqs, out) -> None:
-        if not sample_seqs:
-            return
-        rows = [SampleRow(states[j].sampling, states[j].token_ids, states[j].prompt_len,
-                          states[j].sample_index) for j in sample_seqs]
-        res = self.sampler(logits, rows)
-        for i, j in enumerate(sample_seqs):
-            o = out[j]
-            o.token_id, o.logprob, o.top = res.token_ids[i], res.logprobs[i], res.top[i]
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, states: list[SeqState]
+                ) -> StepResult:
+        if not states:
+            return StepResult(plan.step_id)
+        res = self.sampler(logits, [SampleRow(st.sampling, st.token_ids, st.prompt_len,
+                                              st.sample_index) for st in states])
         if self.keep_logits:
-            self.last_logits = {order[j].seq_id: logits[i].cpu() for i, j in enumerate(sample_seqs)}
+            self.last_logits = {sid: logits[i].cpu()
+                                for i, sid in enumerate(plan.seq_ids[:len(states)])}
+        top = res.top if any(res.top) else []
+        return StepResult(plan.step_id, res.token_ids, res.logprobs, top)
 
-    def _prompt_logprobs(self, logits, order, states, prompt_rows, out) -> None:
-        """Prompt logprobs for the prompt positions computed this step (position 0 has none).
+    def _prompt_logprobs(self, logits: torch.Tensor, plan: StepPlan, states: list[SeqState],
+                         prompt_rows: list[tuple[int, int, int]]) -> list[list[TokenLogprob]]:
+        """Prompt logprobs for the prompt positions computed this step (position 0 has none),
+        one list per plan row (empty for rows that did not ask).
 
-        Row r of a chunk predicts position r + 1; the logprob of the first position of the
+        Row x of a chunk predicts position x + 1; the logprob of the first position of the
         next chunk is computed now and reported with that chunk.
         """
-        if not prompt_rows:
-            return
         lp = torch.log_softmax(logits, dim=-1)
         kmax = max(states[j].sampling.prompt_logprobs for j, _, _ in prompt_rows)
         k_vals, k_idx = (lp.topk(min(kmax, lp.shape[1]), dim=-1) if kmax and len(lp) else
                          (torch.empty(0, 0), torch.empty(0, 0)))
         targets = []
         for j, _, cnt in prompt_rows:
-            c = order[j].num_computed_tokens
+            c = plan.num_computed_tokens[j]
             targets += states[j].token_ids[c + 1:c + 1 + cnt]
         tgt = torch.tensor(targets, dtype=torch.int64, device=lp.device)
         chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
         k_vals, k_idx = k_vals.tolist(), k_idx.tolist()
+        per_row: list[list[TokenLogprob]] = [[] for _ in states]
         i = 0
         for j, _, cnt in prompt_rows:
-            st, s = states[j], order[j]
-            c, k = s.num_computed_tokens, st.sampling.prompt_logprobs
-            entries = []
+            st, c, n = states[j], plan.num_computed_tokens[j], plan.num_tokens[j]
+            k = st.sampling.prompt_logprobs
+            entries = per_row[j]
             if st.pending_pos == c and st.pending_prompt_lp is not None:
                 entries.append(st.pending_prompt_lp)
-            for r in range(cnt):
-                top = [[t, v] for t, v in zip(k_idx[i + r][:k], k_vals[i + r][:k])] if k else []
-                entries.append(TokenLogprob(targets[i + r], chosen[i + r], top))
+            for x in range(cnt):
+                top = [[t, v] for t, v in zip(k_idx[i + x][:k], k_vals[i + x][:k])] if k else []
+                entries.append(TokenLogprob(targets[i + x], chosen[i + x], top))
             st.pending_prompt_lp, st.pending_pos = None, -1
-            if c + s.num_tokens < st.prompt_len and entries and cnt:
+            if c + n < st.prompt_len and entries and cnt:
                 # the last entry is position c + num_tokens: it belongs to the next chunk
-                st.pending_prompt_lp, st.pending_pos = entries.pop(), c + s.num_tokens
-            out[j].prompt_logprobs = entries
+                st.pending_prompt_lp, st.pending_pos = entries.pop(), c + n
             i += cnt
+        return per_row
 
     # ------------------------------------------------------------------ sizing
 

@@ -5,6 +5,7 @@ passes is guaranteed to run to the end eventually (the scheduler never deadlocks
 """
 from __future__ import annotations
 
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from shared.messages import GenerationRequest
 
@@ -13,22 +14,8 @@ class AdmissionError(ValueError):
     """A request that can never run here; the message says what to change."""
 
 
-def max_blocks(prompt_len: int, max_tokens: int, width: int, config: SchedulerConfig) -> int:
-    """Blocks a group of `width` seqs can hold at its largest.
-
-    The prompt's full blocks are shared by all its seqs (they fork after them); every other
-    block may be private to one seq. A seq never computes its last token (it is sampled, then
-    the seq ends), so it needs prompt_len + max_tokens - 1 slots.
-    """
-    if config.contiguous:
-        return width * config.max_blocks_per_seq
-    bs = config.block_size
-    per_seq = -(-(prompt_len + max_tokens - 1) // bs)
-    shared = (prompt_len - 1) // bs
-    return shared + width * (per_seq - shared)
-
-
-def check_admission(req: GenerationRequest, config: SchedulerConfig, num_gpu_blocks: int) -> None:
+def check_admission(req: GenerationRequest, config: SchedulerConfig,
+                    block_manager: BlockManager) -> None:
     """Raise AdmissionError if `req` can never run on this configuration and pool."""
     sp = req.sampling
     L = len(req.prompt_token_ids)
@@ -54,7 +41,8 @@ def check_admission(req: GenerationRequest, config: SchedulerConfig, num_gpu_blo
     if width > limit:
         raise AdmissionError(f"{'beam_width' if sp.beam_width else 'n'} = {width} exceeds the "
                              f"{limit} sequences this server batches in one step: lower it")
-    need = max_blocks(L, sp.max_tokens, width, config)
+    need = block_manager.max_blocks(L, sp.max_tokens, width)
+    num_gpu_blocks = block_manager.gpu.num_blocks
     if need > num_gpu_blocks:
         raise AdmissionError(
             f"this request may need {need} KV blocks of {config.block_size} tokens but the pool "

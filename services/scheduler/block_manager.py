@@ -14,26 +14,38 @@ chained hash, so a later prompt with the same prefix maps them instead of recomp
 
 Preemption moves a group's blocks to the CPU pool (swap) or drops them (recompute). Every
 operation here is constant time per block touched; nothing scans the pool.
+
+Every "how many free blocks would this take" question is answered here, and only here:
+`blocks_for` (a step's work), `blocks_to_admit`, `blocks_to_swap_in`, `blocks_to_fork`,
+`blocks_freed_by` (a preemption victim) and `max_blocks` (admission control). The allocator
+knows nothing of the executors or the wire: what they have seen of a table is the plan
+builder's business (services/scheduler/plan.py).
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 from services.scheduler.block_pool import NO_PARENT, BlockPool, CpuBlockPool, hash_block_tokens
-from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# NOTE: nearly every allocation is a decode writing into a block its seq owns: no copy. They
+# all return this one empty list instead of a new one each; callers never append to it.
+_NO_COPIES: list[list[int]] = []
 
 
 class BlockManager:
+    """Paged allocation: a seq takes blocks one at a time, as its tokens need them."""
+
+    # Admission keeps headroom for running seqs to grow (a reserving baseline has none to keep).
+    grows_on_demand = True
+
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, reserve_blocks_per_seq: int = 0,
+                 enable_prefix_caching: bool = True,
                  hash_fn: Callable[[int | None, tuple[int, ...]], int] = hash_block_tokens) -> None:
         self.block_size = block_size
         self.gpu = BlockPool(num_gpu_blocks, block_size, hash_fn)
         self.cpu = CpuBlockPool(num_cpu_blocks)
-        self.enable_prefix_caching = enable_prefix_caching and reserve_blocks_per_seq == 0
-        # Contiguous baseline: a seq's first allocation reserves this many blocks (max_model_len),
-        # as systems before PagedAttention did. 0 = paged.
-        self.reserve = reserve_blocks_per_seq
+        self.enable_prefix_caching = enable_prefix_caching
         self.swapped_out_blocks_total = 0
         self.swapped_in_blocks_total = 0
 
@@ -64,73 +76,132 @@ class BlockManager:
         """Block-table entries over all sequences: the blocks needed if nothing were shared."""
         return self.gpu.num_refs
 
-    # ------------------------------------------------------------ growth and copy-on-write
-    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Free blocks that `allocate_slots(seq, num_new_tokens)` will take, at most.
+    # ------------------------------------------------------------ counting
+    def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
+        """Blocks a group of `width` seqs can hold at its largest (admission control).
 
-        Counts a copy-on-write whenever the block written first is shared; the last sharer to
-        write finds it unshared, so this may exceed the true need by one per shared block.
+        The prompt's full blocks are shared by all its seqs (they fork after them); every other
+        block may be private to one seq. A seq never computes its last token (it is sampled,
+        then the seq ends), so it needs prompt_len + max_tokens - 1 slots.
         """
-        table = seq.block_table
-        if self.reserve:
-            return 0 if table else self.reserve
-        start = seq.num_computed_tokens
-        need = -(-(start + num_new_tokens) // self.block_size) - len(table)
-        j = start // self.block_size
-        if j < len(table) and self.gpu.ref_count[table[j]] > 1:
-            need += 1
-        return need if need > 0 else 0
+        bs = self.block_size
+        per_seq = -(-(prompt_len + max_tokens - 1) // bs)
+        shared = (prompt_len - 1) // bs
+        return shared + width * (per_seq - shared)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[list[int]]:
+    def blocks_for(self, work: list[tuple[Sequence, int]], ref_count: list[int] | None = None
+                   ) -> int:
+        """Free blocks that `allocate_slots` takes for every (seq, tokens) of `work`: new blocks
+        plus exact copy-on-writes. `ref_count`: the pool the tables point into (the GPU's
+        unless the seqs are swapped out)."""
+        bs = self.block_size
+        if ref_count is None:
+            ref_count = self.gpu.ref_count
+        need = 0
+        writers: dict[int, int] | None = None
+        for seq, t in work:
+            table = seq.block_table
+            c = seq.num_computed_tokens
+            n = -(-(c + t) // bs) - len(table)
+            if n > 0:
+                need += n
+            j = c // bs
+            if j < len(table) and ref_count[table[j]] > 1:
+                if writers is None:
+                    writers = {}
+                writers[table[j]] = writers.get(table[j], 0) + 1
+        if writers:
+            # A block shared r ways and written by w of them is copied min(w, r - 1) times:
+            # the last sharer to write finds it unshared and writes in place.
+            for b, w in writers.items():
+                need += min(w, ref_count[b] - 1)
+        return need
+
+    def blocks_to_admit(self, group: SequenceGroup, budget: int) -> tuple[list[int], int]:
+        """(cached prefix blocks, free blocks taken) to admit a waiting group with a first
+        chunk of at most `budget` tokens. Looks the prefix up; references nothing yet."""
+        bs = self.block_size
+        leader = group.seqs[0]
+        multi = len(group.seqs) > 1
+        target = group.fork_point if multi else len(leader.token_ids)
+        cached = []
+        if self.enable_prefix_caching and group.prompt_logprobs is None:
+            # At least one token is computed: its logits are what we sample from.
+            cached = self.find_cached_prefix(leader, min(target, len(leader.token_ids) - 1))
+        start = len(cached) * bs
+        if multi and start == target:
+            # The fork happens right away: every seq computes from the fork point.
+            need = 0
+            for s in group.seqs:
+                t = min(len(s.token_ids) - start, budget)
+                budget -= t
+                need += -(-(start + t) // bs) - len(cached)
+        else:
+            t = min(target - start, budget)
+            need = -(-(start + t) // bs) - len(cached)
+        return cached, need + self.num_revived(cached)
+
+    def blocks_to_swap_in(self, seqs: list[Sequence], work: list[tuple[Sequence, int]]) -> int:
+        """Free GPU blocks that swapping `seqs` back in and running `work` take. The blocks
+        come back shared as they were: copy-on-write is counted on the CPU side."""
+        return self.num_unique_blocks(seqs) + self.blocks_for(work, self.cpu.ref_count)
+
+    def blocks_to_fork(self, group: SequenceGroup) -> int:
+        """Free blocks that forking a group's other seqs from its leader takes (none: they map
+        the leader's blocks)."""
+        return 0
+
+    def blocks_freed_by(self, seqs: list[Sequence]) -> int:
+        """GPU blocks that freeing `seqs` returns: those no other seq maps (a cached prefix
+        shared with another group stays)."""
+        refs: dict[int, int] = {}
+        for seq in seqs:
+            for b in seq.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        ref_count = self.gpu.ref_count
+        return sum(1 for b, r in refs.items() if ref_count[b] == r)
+
+    # ------------------------------------------------------------ growth and copy-on-write
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[list[int]] | None:
         """Give slots to positions [num_computed, num_computed + num_new_tokens) of `seq`.
 
         Returns the copy-on-write pairs [[src, dst]] the executors must apply before writing
-        (empty when the written block was not shared). Raises IndexError when the pool runs
-        dry: callers check `num_new_blocks` against `num_free_blocks` first.
+        (empty when the written block was not shared; a copy replaces table entry
+        num_computed // block_size), or None, changing nothing, when the free blocks do not
+        cover it.
         """
         bs = self.block_size
         gpu = self.gpu
         table = seq.block_table
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        copies: list[list[int]] = []
-        if self.reserve and not table:
-            table.extend(gpu.allocate() for _ in range(self.reserve))
         j = start // bs
-        if j < len(table):
-            old = table[j]
-            if gpu.ref_count[old] > 1:   # copy-on-write: never write into a block another seq maps
-                new = gpu.allocate()
-                gpu.fill(new, gpu.num_tokens[old])
-                gpu.release(old)
-                table[j] = new
-                copies.append([old, new])
-                if seq.num_blocks_synced > j:
-                    seq.num_blocks_synced = j
-        while len(table) * bs < end:
-            table.append(gpu.allocate())
         last = (end - 1) // bs
-        for k in range(j, last + 1):
-            gpu.fill(table[k], bs if k < last else end - k * bs)
+        grow = last + 1 - len(table)
+        shared = j < len(table) and gpu.ref_count[table[j]] > 1
+        if grow + shared > gpu.free.num_free:
+            return None
+        copies = _NO_COPIES
+        if shared:                 # copy-on-write: never write into a block another seq maps
+            old = table[j]
+            new = gpu.allocate()
+            gpu.fill(new, gpu.num_tokens[old])
+            gpu.release(old)
+            table[j] = new
+            copies = [[old, new]]
+        for _ in range(grow):
+            table.append(gpu.allocate())
+        if last == j:                       # a decode, or a chunk inside one block
+            gpu.fill(table[j], end - j * bs)
+        else:
+            for k in range(j, last + 1):
+                gpu.fill(table[k], bs if k < last else end - k * bs)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> list[list[int]]:
-        """`child` continues from `parent`'s computed tokens, mapping the same blocks.
-
-        Paged: no data moves; returns []. Contiguous baseline: the child gets its own reserved
-        region and the parent's filled blocks are copied into it (returned as [src, dst] pairs).
-        """
+        """`child` continues from `parent`'s computed tokens, mapping the same blocks: no data
+        moves, so no copy pairs (returns [])."""
         child.num_computed_tokens = parent.num_computed_tokens
-        if self.reserve:
-            if child.block_table:
-                raise ValueError(f"seq {child.seq_id} already has blocks")
-            n_filled = -(-parent.num_computed_tokens // self.block_size)
-            child.block_table = [self.gpu.allocate() for _ in range(self.reserve)]
-            pairs = []
-            for src, dst in zip(parent.block_table[:n_filled], child.block_table):
-                self.gpu.fill(dst, self.gpu.num_tokens[src])
-                pairs.append([src, dst])
-            return pairs
         for b in parent.block_table:
             self.gpu.touch(b)
         child.block_table = list(parent.block_table)
@@ -211,7 +282,6 @@ class BlockManager:
             for c in seq.block_table:
                 cpu.release(c)
             seq.block_table = new_table
-            seq.num_blocks_synced = 0    # the executors' table is stale: resend it whole
         self.swapped_in_blocks_total += len(pairs)
         return pairs
 
@@ -309,3 +379,51 @@ class BlockManager:
             if gpu.is_registered(table[j]):
                 gpu.uncache(table[j])
         seq.num_cached_blocks = min(seq.num_cached_blocks, start)
+
+
+class ContiguousBlockManager(BlockManager):
+    """The baseline PagedAttention is measured against: a seq's first allocation reserves a
+    contiguous region for its whole context (max_model_len), as systems before it did. No
+    sharing, so no prefix cache and no copy-on-write; a fork copies the filled blocks."""
+
+    grows_on_demand = False
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 blocks_per_seq: int) -> None:
+        super().__init__(num_gpu_blocks, num_cpu_blocks, block_size, enable_prefix_caching=False)
+        self.blocks_per_seq = blocks_per_seq
+
+    def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
+        return width * self.blocks_per_seq
+
+    def blocks_for(self, work: list[tuple[Sequence, int]], ref_count: list[int] | None = None
+                   ) -> int:
+        return sum(self.blocks_per_seq for s, _ in work if not s.block_table)
+
+    def blocks_to_admit(self, group: SequenceGroup, budget: int) -> tuple[list[int], int]:
+        forks_now = len(group.seqs) > 1 and group.fork_point == 0
+        return [], self.blocks_per_seq * (len(group.seqs) if forks_now else 1)
+
+    def blocks_to_fork(self, group: SequenceGroup) -> int:
+        return self.blocks_per_seq * (len(group.seqs) - 1)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[list[int]] | None:
+        if not seq.block_table:
+            if self.blocks_per_seq > self.gpu.num_free:
+                return None
+            seq.block_table = [self.gpu.allocate() for _ in range(self.blocks_per_seq)]
+        return super().allocate_slots(seq, num_new_tokens)    # only fills: the region is there
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[list[int]]:
+        """The child gets its own region; the parent's filled blocks are copied into it
+        (returned as [src, dst] pairs)."""
+        if child.block_table:
+            raise ValueError(f"seq {child.seq_id} already has blocks")
+        child.num_computed_tokens = parent.num_computed_tokens
+        n_filled = -(-parent.num_computed_tokens // self.block_size)
+        child.block_table = [self.gpu.allocate() for _ in range(self.blocks_per_seq)]
+        pairs = []
+        for src, dst in zip(parent.block_table[:n_filled], child.block_table):
+            self.gpu.fill(dst, self.gpu.num_tokens[src])
+            pairs.append([src, dst])
+        return pairs

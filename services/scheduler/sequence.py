@@ -51,7 +51,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
-        # Mirror of the executors' state (diffs are taken against it):
+        # Mirror of the executors' state, kept by the plan builder (services/scheduler/plan.py):
         self.num_tokens_sent = -1          # -1: the executors do not know this seq
         self.num_blocks_sent = 0           # length of their block table
         self.num_blocks_synced = 0         # leading entries of theirs equal to ours
@@ -63,12 +63,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def forget_executor_state(self) -> None:
-        """The executors dropped this seq (recompute): it will be sent whole again."""
-        self.num_tokens_sent = -1
-        self.num_blocks_sent = 0
-        self.num_blocks_synced = 0
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.name}, len={len(self.token_ids)}, "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.messages import SamplingParams, SeqSample, StepPlan, StepResult, TokenLogprob
+from shared.messages import SamplingParams, StepPlan, StepResult, TokenLogprob
 
 VOCAB = 64            # small, so that stop tokens are hit now and then
 
@@ -99,26 +99,29 @@ class FakeExecutor:
                 raise PlanError(f"step {plan.step_id}: NewSeq {ns.seq_id} is already known")
             self.seqs[ns.seq_id] = _Seq(ns.request_id, list(ns.token_ids), ns.prompt_len,
                                         list(ns.block_table), ns.sampling, ns.sample_index, -1)
-        for sc in plan.scheduled:
-            seq = self.seqs.get(sc.seq_id)
+        rows = list(zip(plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
+                        plan.append_token_ids, plan.block_keep, plan.block_append))
+        if len(set(plan.seq_ids)) != len(rows):
+            raise PlanError(f"step {plan.step_id}: a seq has two rows")
+        for sid, computed, n, append, keep, blocks in rows:
+            seq = self.seqs.get(sid)
             if seq is None:
-                raise PlanError(f"step {plan.step_id}: scheduled unknown seq {sc.seq_id}")
-            seq.tokens.extend(sc.append_token_ids)
-            if sc.block_keep >= 0:
-                del seq.table[sc.block_keep:]
-            seq.table.extend(sc.block_append)
+                raise PlanError(f"step {plan.step_id}: scheduled unknown seq {sid}")
+            seq.tokens.extend(append)
+            if keep >= 0:
+                del seq.table[keep:]
+            seq.table.extend(blocks)
             if seq.computed < 0:              # new: trusts the plan for cached/forked positions
-                seq.computed = sc.num_computed_tokens
-            elif seq.computed != sc.num_computed_tokens:
-                raise PlanError(f"step {plan.step_id}: seq {sc.seq_id} starts at "
-                                f"{sc.num_computed_tokens}, but {seq.computed} are computed")
-            end = sc.num_computed_tokens + sc.num_tokens
-            if sc.num_tokens < 1 or end > len(seq.tokens):
-                raise PlanError(f"step {plan.step_id}: seq {sc.seq_id} chunk "
-                                f"[{sc.num_computed_tokens}, {end}) outside its "
-                                f"{len(seq.tokens)} tokens")
+                seq.computed = computed
+            elif seq.computed != computed:
+                raise PlanError(f"step {plan.step_id}: seq {sid} starts at "
+                                f"{computed}, but {seq.computed} are computed")
+            end = computed + n
+            if n < 1 or end > len(seq.tokens):
+                raise PlanError(f"step {plan.step_id}: seq {sid} chunk "
+                                f"[{computed}, {end}) outside its {len(seq.tokens)} tokens")
             if len(seq.table) * self.bs < end:
-                raise PlanError(f"step {plan.step_id}: seq {sc.seq_id} table too short")
+                raise PlanError(f"step {plan.step_id}: seq {sid} table too short")
         # Cache operations, in the contract's order.
         for g, c in plan.swap_out:
             self.cpu[c] = list(self.gpu[g])
@@ -128,38 +131,46 @@ class FakeExecutor:
             self.gpu[dst] = list(self.gpu[src])
         # Forward: every scheduled token's id goes to its slot, then each seq reads back.
         bs = self.bs
-        for sc in plan.scheduled:
-            seq = self.seqs[sc.seq_id]
-            for pos in range(sc.num_computed_tokens, sc.num_computed_tokens + sc.num_tokens):
+        for sid, computed, n, *_ in rows:
+            seq = self.seqs[sid]
+            for pos in range(computed, computed + n):
                 self.gpu[seq.table[pos // bs]][pos % bs] = seq.tokens[pos]
-            seq.computed = sc.num_computed_tokens + sc.num_tokens
-        samples = []
-        for sc in plan.scheduled:
-            seq = self.seqs[sc.seq_id]
+            seq.computed = computed + n
+        result = StepResult(plan.step_id)
+        prompt_lps = []
+        for r, (sid, computed, *_) in enumerate(rows):
+            seq = self.seqs[sid]
             end = seq.computed
             ctx = self._read(seq, end)
             if self.check and list(ctx) != seq.tokens[:end]:
                 bad = next(i for i, (a, b) in enumerate(zip(ctx, seq.tokens)) if a != b)
-                raise PlanError(f"step {plan.step_id}: seq {sc.seq_id} ({seq.request_id}) reads "
+                raise PlanError(f"step {plan.step_id}: seq {sid} ({seq.request_id}) reads "
                                 f"token {ctx[bad]} at position {bad}, wrote {seq.tokens[bad]}")
             sp = seq.sampling
-            sample = SeqSample(sc.seq_id, -1)
-            if sp.prompt_logprobs is not None:
-                lo, hi = max(sc.num_computed_tokens, 1), min(end, seq.prompt_len)
-                sample.prompt_logprobs = [TokenLogprob(ctx[p], prompt_logprob(ctx[:p + 1]))
-                                          for p in range(lo, hi)]
-            if end == len(seq.tokens):
-                if sp.beam_width > 0:
-                    top = candidates(ctx, max(2 * sp.beam_width, sp.logprobs or 0))
-                    sample.token_id, sample.logprob = top[0][0], top[0][1]
-                    sample.top = top
-                else:
-                    sample.token_id, sample.logprob = next_token(ctx, seq.sample_index)
-                    script = self.script.get(seq.request_id)
-                    if script is not None:
-                        sample.token_id = script[len(seq.tokens) - seq.prompt_len]
-                    if sp.logprobs:
-                        sample.top = candidates(ctx, sp.logprobs)
-            if sample.token_id >= 0 or sample.prompt_logprobs:
-                samples.append(sample)
-        return StepResult(plan.step_id, samples)
+            lo, hi = max(computed, 1), min(end, seq.prompt_len)
+            prompt_lps.append([TokenLogprob(ctx[p], prompt_logprob(ctx[:p + 1]))
+                               for p in range(lo, hi)] if sp.prompt_logprobs is not None else [])
+            if (end == len(seq.tokens)) != (r < plan.num_sampling_rows):
+                raise PlanError(f"step {plan.step_id}: row {r} (seq {sid}) is on the wrong "
+                                "side of num_sampling_rows")
+            if r >= plan.num_sampling_rows:
+                continue
+            top: list = []
+            if sp.beam_width > 0:
+                top = candidates(ctx, max(2 * sp.beam_width, sp.logprobs or 0))
+                token, logprob = top[0]
+            else:
+                token, logprob = next_token(ctx, seq.sample_index)
+                script = self.script.get(seq.request_id)
+                if script is not None:
+                    token = script[len(seq.tokens) - seq.prompt_len]
+                if sp.logprobs:
+                    top = candidates(ctx, sp.logprobs)
+            result.token_ids.append(token)
+            result.logprobs.append(logprob)
+            result.top.append(top)
+        if not any(result.top):
+            result.top = []
+        if any(prompt_lps):
+            result.prompt_logprobs = prompt_lps
+        return result

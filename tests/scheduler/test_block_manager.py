@@ -1,7 +1,7 @@
 """Block manager behaviours, one at a time (the stateful property test mixes them all)."""
 from __future__ import annotations
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 BS = 4
@@ -59,21 +59,44 @@ def test_copy_on_write_copies_once_per_extra_sharer():
     assert len({s.block_table[1] for s in seqs}) == 3
 
 
-def test_num_new_blocks_counts_growth_and_copy_on_write():
+def test_blocks_for_counts_growth_and_copy_on_write():
     bm = BlockManager(16, 4, BS)
     a = make_seq(range(4))
-    assert bm.num_new_blocks(a, 4) == 1 and bm.num_new_blocks(a, 5) == 2
+    assert bm.blocks_for([(a, 4)]) == 1 and bm.blocks_for([(a, 5)]) == 2
     compute(bm, a)
     b = make_seq(range(4), 1)
     bm.fork(a, b)
     b.token_ids.append(1)
-    assert bm.num_new_blocks(b, 1) == 1   # a fresh block, the full one stays shared
+    assert bm.blocks_for([(b, 1)]) == 1   # a fresh block, the full one stays shared
     c = make_seq(range(3), 2)
     compute(bm, c)
     d = make_seq(range(3), 3)
     bm.fork(c, d)
     d.token_ids.append(1)
-    assert bm.num_new_blocks(d, 1) == 1   # the copy of the shared partial block
+    assert bm.blocks_for([(d, 1)]) == 1   # the copy of the shared partial block
+    c.token_ids.append(2)
+    # Both sharers write the shared partial block: one copy; the second finds it unshared.
+    assert bm.blocks_for([(c, 1), (d, 1)]) == 1
+
+
+def test_allocate_slots_changes_nothing_when_the_pool_is_short():
+    bm = BlockManager(2, 0, BS)
+    a = make_seq(range(9))
+    assert bm.allocate_slots(a, 9) is None            # 3 blocks, 2 in the pool
+    assert a.block_table == [] and bm.num_free_blocks == 2
+    assert bm.allocate_slots(a, 8) == [] and len(a.block_table) == 2
+
+
+def test_blocks_freed_by_counts_only_blocks_no_one_else_maps():
+    bm = BlockManager(16, 4, BS)
+    a = make_seq(range(10))
+    compute(bm, a)
+    b = make_seq(range(10), 1)
+    bm.fork(a, b)
+    b.token_ids.append(3)
+    compute(bm, b, 1)                                  # copy-on-write of the partial block
+    assert bm.blocks_freed_by([b]) == 1 and bm.blocks_freed_by([a]) == 1
+    assert bm.blocks_freed_by([a, b]) == 4
 
 
 def test_prefix_cache_reuses_the_blocks_of_an_identical_prefix():
@@ -185,14 +208,14 @@ def test_swapping_out_keeps_a_prefix_other_requests_still_map():
 
 
 def test_contiguous_baseline_reserves_max_model_len_up_front():
-    bm = BlockManager(64, 0, BS, reserve_blocks_per_seq=8)
+    bm = ContiguousBlockManager(64, 0, BS, blocks_per_seq=8)
     seq = make_seq(range(3))
-    assert bm.num_new_blocks(seq, 3) == 8
+    assert bm.blocks_for([(seq, 3)]) == 8
     compute(bm, seq)
     assert len(seq.block_table) == 8
     assert bm.num_allocated_slots == 32 and bm.num_filled_slots == 3
     seq.token_ids.append(5)
-    assert bm.num_new_blocks(seq, 1) == 0
+    assert bm.blocks_for([(seq, 1)]) == 0
     compute(bm, seq, 1)
     assert bm.num_used_blocks == 8 and bm.num_filled_slots == 4
     child = make_seq(range(4), 1)

@@ -15,7 +15,7 @@ holds the tuple of tokens up to and including its position. After every step:
 """
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -52,7 +52,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _compute(self, seq: Sequence, n: int) -> bool:
         """Allocate slots for n more tokens, apply copy-on-write, write the tokens."""
-        if self.bm.num_new_blocks(seq, n) > self.bm.num_free_blocks:
+        if self.bm.blocks_for([(seq, n)]) > self.bm.num_free_blocks:
             return False
         start = seq.num_computed_tokens
         j = start // BS
@@ -87,8 +87,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.gpu_data[b] == [tuple(tokens[:p + 1])
                                                  for p in range(j * BS, (j + 1) * BS)]
         need = -(-len(tokens) // BS) - len(cached) + self.bm.num_revived(cached)
-        if need > self.bm.num_free_blocks:
-            return
+        assume(need <= self.bm.num_free_blocks)
         self.bm.use_cached_prefix(seq, cached)
         self.hits += len(cached)
         assert self._compute(seq, len(tokens) - seq.num_computed_tokens)
@@ -101,8 +100,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         fam = self.running[i % len(self.running)]
         seq = fam[i % len(fam)]
         seq.token_ids.extend(new)
-        if not self._compute(seq, len(new)):
-            del seq.token_ids[-len(new):]
+        assume(self._compute(seq, len(new)))
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 99))
@@ -129,8 +127,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_out(self, i):
         fam = self.running[i % len(self.running)]
         unique = {b for s in fam for b in s.block_table}
-        if not self.bm.can_swap_out(fam):
-            return
+        assume(self.bm.can_swap_out(fam))
         pairs = self.bm.swap_out(fam)
         assert sorted(g for g, _ in pairs) == sorted(unique)   # a shared block moves once
         for g, c in pairs:
@@ -144,8 +141,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def swap_in(self, i):
         fam = self.swapped[i % len(self.swapped)]
-        if self.bm.num_unique_blocks(fam) > self.bm.num_free_blocks:
-            return
+        assume(self.bm.num_unique_blocks(fam) <= self.bm.num_free_blocks)
         pairs = self.bm.swap_in(fam)
         for c, g in pairs:
             self.gpu_data[g] = list(self.cpu_data[c])
@@ -163,12 +159,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(s)
         (self.running if fam in self.running else self.swapped).remove(fam)
 
+    @precondition(lambda self: self.bm.num_free_blocks > 0)
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=4))
     def evict(self, tokens):
         """A seq that takes every free block: cached blocks on the free list get evicted."""
         free = self.bm.num_free_blocks
-        if free == 0:
-            return
         seq = self._seq((tokens * (free * BS))[:free * BS])
         assert self._compute(seq, free * BS)
         assert self.bm.num_free_blocks == 0

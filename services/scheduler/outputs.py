@@ -1,0 +1,215 @@
+"""Applying a step's result: sampled tokens, the finish rules, beam steps, RequestOutputs.
+
+    StepResult ──▶ apply_result ──▶ per sampling row: append_token (finish rules) ─▶ SeqDelta
+                                    per beam group:   beam_step (select, fork, free)
+                                    per request:      one RequestOutput with its deltas
+
+The result is positional: token r answers row r of the plan (shared/messages.py, StepPlan),
+so nothing is looked up by id. The finish rules live in `append_token` only: a stop token
+(once min_tokens are out) ends a seq without joining its tokens; reaching max_tokens or
+max_model_len ends it "length".
+"""
+from __future__ import annotations
+
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+from services.scheduler.beam_search import BeamSearch
+from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+from shared.messages import RequestOutput, SeqDelta, StepPlan, StepResult, TokenLogprob
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import Scheduler
+
+RUNNING = SequenceStatus.RUNNING
+
+# NOTE: most deltas carry no logprobs and most rows no candidates: they share one empty list
+# each instead of allocating one per sequence per step. Never append to these.
+_NO_LOGPROBS: list[TokenLogprob] = []
+_NO_TOP: list[list] = []
+
+
+def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float,
+                 top: list) -> SeqDelta:
+    """Apply one sampled token to `seq` under the finish rules; returns its delta (with
+    finish_reason set, and seq.finish_reason too, when it ends the seq)."""
+    cum = seq.cumulative_logprob = seq.cumulative_logprob + logprob
+    tokens = seq.token_ids
+    if token in group.stop_ids and len(tokens) >= group.min_len:
+        seq.finish_reason = "stop"
+        seq.stop_token_id = token
+        return SeqDelta(seq.sample_index, [], _NO_LOGPROBS, "stop", token, cum)
+    tokens.append(token)
+    reason = None
+    if len(tokens) >= group.max_len:
+        reason = seq.finish_reason = "length"
+    if seq.logprobs is None:
+        return SeqDelta(seq.sample_index, [token], _NO_LOGPROBS, reason, None, cum)
+    lp = TokenLogprob(token, logprob, top[:group.sampling.logprobs])
+    seq.logprobs.append(lp)
+    return SeqDelta(seq.sample_index, [token], [lp], reason, None, cum)
+
+
+def request_output(group: SequenceGroup, deltas: list[SeqDelta]) -> RequestOutput:
+    """A request's news; its first one also carries the prompt logprobs (when asked)."""
+    out = RequestOutput(group.request_id, deltas, False, group.prompt_len,
+                        group.num_cached_tokens)
+    if not group.first_output_sent:
+        group.first_output_sent = True
+        if group.prompt_logprobs is not None:
+            out.prompt_logprobs = [None, *group.prompt_logprobs]
+    return out
+
+
+def final_output(group: SequenceGroup, reason: str) -> RequestOutput:
+    """The last output of a request ended now with `reason`: every live seq ends with it; a
+    beam search reports its n best beams so far, whole (beams stream nothing)."""
+    if group.is_beam:
+        hyps = group.beam.best(max(1, group.sampling.n), group.seqs)
+        deltas = [SeqDelta(i, h.token_ids, h.logprobs or [], reason, h.stop_token_id,
+                           h.cumulative_logprob) for i, h in enumerate(hyps)]
+    else:
+        deltas = [SeqDelta(s.sample_index, [], finish_reason=reason,
+                           cumulative_logprob=s.cumulative_logprob) for s in group.seqs]
+    out = request_output(group, deltas)
+    out.finished = True
+    return out
+
+
+def result_error(plan: StepPlan, result: StepResult) -> str | None:
+    """Why `result` cannot be applied to `plan` (None when it can)."""
+    if result.error is not None:
+        return result.error
+    n = plan.num_sampling_rows
+    if len(result.token_ids) != n or len(result.logprobs) != n:
+        return (f"the executor returned {len(result.token_ids)} tokens for the "
+                f"{n} sampling rows of step {plan.step_id}")
+    if result.top and len(result.top) != n:
+        return f"the executor returned {len(result.top)} candidate lists for {n} sampling rows"
+    if result.prompt_logprobs and len(result.prompt_logprobs) != len(plan.seq_ids):
+        return (f"the executor returned prompt logprobs for {len(result.prompt_logprobs)} "
+                f"of {len(plan.seq_ids)} rows")
+    return None
+
+
+def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: StepResult
+                 ) -> list[RequestOutput]:
+    """Advance every row's seq by its scheduled tokens and apply the sampled ones. Returns
+    one RequestOutput per request with news. `seqs[r]` is the seq of plan row r; a seq that
+    finished or was aborted while the step ran is skipped."""
+    if result.prompt_logprobs:
+        _add_prompt_logprobs(seqs, result.prompt_logprobs)
+    num_sampling = plan.num_sampling_rows
+    outs: list[RequestOutput] = []
+    grouped: dict[str, RequestOutput] = {}   # request id -> its output (groups of several)
+    beam_steps: dict[str, list] = {}
+    prompt_done = 0
+    num_sampled = 0
+    any_finished = False
+    tops = result.top if result.top else repeat(_NO_TOP)
+    for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, tops):
+        if seq.status != RUNNING:            # aborted or finished while in flight
+            continue
+        c = seq.num_computed_tokens
+        if c < seq.prompt_len:
+            prompt_done += seq.prompt_len - c  # a sampling row computes up to the seq's end
+        seq.num_computed_tokens = c + seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        group = seq.group
+        if group.is_beam:
+            beam_steps.setdefault(group.request_id, []).append((seq, top))
+            continue
+        num_sampled += 1
+        delta = append_token(seq, group, token, logprob, top)
+        out = grouped.get(group.request_id) if group.max_num_seqs > 1 else None
+        if out is not None:
+            out.seqs.append(delta)
+        else:
+            if group.first_output_sent:
+                out = RequestOutput(group.request_id, [delta], False, group.prompt_len,
+                                    group.num_cached_tokens)
+            else:
+                out = request_output(group, [delta])
+            if group.max_num_seqs > 1:
+                grouped[group.request_id] = out
+            outs.append(out)
+        if delta.finish_reason is not None:
+            core.finish_seq(seq)
+            if not group.seqs:
+                out.finished = True
+                core.finish_group(group, prune_running=False)
+                any_finished = True
+    for seq in seqs[num_sampling:]:          # prefill chunks short of their seq's end
+        if seq.status == RUNNING:
+            c = seq.num_computed_tokens
+            t = seq.num_scheduled_tokens
+            prompt_done += min(c + t, seq.prompt_len) - c
+            seq.num_computed_tokens = c + t
+            seq.num_scheduled_tokens = 0
+    for rid, beams in beam_steps.items():
+        num_sampled += len(beams)
+        out = beam_step(core, core.groups[rid], beams)
+        if out is not None:
+            outs.append(out)
+            any_finished = True
+    core.prompt_tokens_total += prompt_done
+    core.generation_tokens_total += num_sampled
+    if any_finished:
+        core.running = [g for g in core.running if g.status == RUNNING]
+    return outs
+
+
+def _add_prompt_logprobs(seqs: list[Sequence], per_row: list[list[TokenLogprob]]) -> None:
+    """Keep the prompt logprobs a step computed, on the group of the leader that computed
+    them (until the first output carries them)."""
+    for seq, lps in zip(seqs, per_row):
+        group = seq.group
+        if (lps and seq.status == RUNNING and group.prompt_logprobs is not None
+                and seq is group.seqs[0]):
+            room = group.prompt_len - 1 - len(group.prompt_logprobs)
+            if room > 0:
+                group.prompt_logprobs.extend(lps[:room])
+
+
+def beam_step(core: Scheduler, group: SequenceGroup, beams: list) -> RequestOutput | None:
+    """Select the next beams; fork, extend and free seqs. Returns the final output when the
+    search is over, else None (beam requests report only when finished)."""
+    search: BeamSearch = group.beam
+    chosen, done = search.step(beams)
+    if done:
+        hyps = search.best(max(1, group.sampling.n))
+        deltas = [SeqDelta(i, h.token_ids, h.logprobs or [], h.finish_reason,
+                           h.stop_token_id, h.cumulative_logprob)
+                  for i, h in enumerate(hyps)]
+        out = request_output(group, deltas)
+        out.finished = True
+        core.finish_group(group, prune_running=False)
+        return out
+    by_parent: dict[int, list] = {}
+    for cand in chosen:
+        by_parent.setdefault(cand.parent.seq_id, []).append(cand)
+    kept = []
+    for seq in group.seqs:
+        if seq.seq_id not in by_parent:
+            core.release_seq(seq)            # a beam no candidate extends
+        else:
+            kept.append(seq)
+    children = []
+    for seq in kept:
+        cands = by_parent[seq.seq_id]
+        for cand in cands[1:]:
+            child = core.new_seq(group, seq.token_ids + [cand.token_id], seq.prompt_len)
+            core.block_manager.fork(seq, child)
+            child.status = RUNNING
+            child.cumulative_logprob = cand.cumulative_logprob
+            if seq.logprobs is not None:
+                child.logprobs = seq.logprobs + [search.token_logprob(cand)]
+            children.append(child)
+        first = cands[0]
+        seq.token_ids.append(first.token_id)
+        seq.cumulative_logprob = first.cumulative_logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(search.token_logprob(first))
+    group.seqs = kept + children
+    group.forked = True
+    return None

@@ -1,0 +1,152 @@
+"""The plan builder: what the executors hold of each sequence, and the StepPlan under way.
+
+The executors keep every sequence they were sent (its tokens and block table) until a plan
+drops it, so a plan carries only what changed. Each `Sequence` mirrors their copy:
+
+    num_tokens_sent     tokens they hold (-1: they do not know the seq; send it whole)
+    num_blocks_sent     length of their block table
+    num_blocks_synced   leading entries of their table equal to ours (a copy-on-write or a
+                        swap-in replaces entries: from there on, theirs are stale)
+
+`add` is the one way a sequence enters a step, whatever path scheduled it: it registers the
+blocks the step fills in the prefix cache, writes the sequence's row (its diffs against the
+mirror) and moves the mirror forward. Rows go in the order the executors run them
+(shared/messages.py, StepPlan): decodes that sample, then other rows that sample, then
+prefill chunks that stop short of their sequence's end.
+"""
+from __future__ import annotations
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.sequence import Sequence
+from shared.messages import NewSeq, StepPlan
+
+# NOTE: most rows carry no new blocks and new seqs no appended tokens; they share one empty
+# list each instead of allocating one per row per step. Nothing appends to a plan's lists
+# after it is built (the wire carries copies): never append to these.
+_NO_BLOCKS: list[int] = []
+_NO_TOKENS: list[int] = []
+
+
+def drop_from_executors(seq: Sequence, finished_seq_ids: list[int]) -> None:
+    """The executors must forget `seq` (finished, or preempted to recompute): its id goes
+    into the next plan's finished_seq_ids if they know it; a later plan sends it whole."""
+    if seq.num_tokens_sent >= 0:
+        finished_seq_ids.append(seq.seq_id)
+    seq.num_tokens_sent = -1
+    seq.num_blocks_sent = 0
+    seq.num_blocks_synced = 0
+
+
+class PlanBuilder:
+    """One step's plan, built as sequences are scheduled; `budget` is the tokens left."""
+
+    __slots__ = ("block_manager", "block_size", "budget", "seqs", "seq_ids",
+                 "num_computed_tokens", "num_tokens", "append_token_ids", "block_keep",
+                 "block_append", "other_rows", "new_seqs", "swap_out", "swap_in", "copy",
+                 "finished_seq_ids", "swapped_out_seqs")
+
+    def __init__(self, block_manager: BlockManager, budget: int,
+                 finished_seq_ids: list[int]) -> None:
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.budget = budget
+        # Decode rows that sample (the bulk of a step) go straight into the plan's columns;
+        # `seqs[r]` is the Sequence of row r.
+        self.seqs: list[Sequence] = []
+        self.seq_ids: list[int] = []
+        self.num_computed_tokens: list[int] = []
+        self.num_tokens: list[int] = []
+        self.append_token_ids: list[list[int]] = []
+        self.block_keep: list[int] = []
+        self.block_append: list[list[int]] = []
+        # Every other row, as (samples, seq, computed, tokens, append, keep, blocks): placed
+        # after the decodes by build().
+        self.other_rows: list[tuple] = []
+        self.new_seqs: list[NewSeq] = []
+        self.swap_out: list[list[int]] = []
+        self.swap_in: list[list[int]] = []
+        self.copy: list[list[int]] = []
+        self.finished_seq_ids = finished_seq_ids
+        self.swapped_out_seqs: list[Sequence] = []   # their KV moves in this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.other_rows or self.swap_out or self.swap_in or self.copy)
+
+    def add(self, seq: Sequence, num_tokens: int, copies: list[list[int]]) -> None:
+        """Put `seq` into the step with `num_tokens` tokens; its slots are allocated and
+        `copies` are the copy-on-write pairs that allocation returned.
+
+        Blocks this step fills are registered in the prefix cache now, so that a prompt
+        admitted later in the same step maps them instead of computing them again (see
+        BlockManager.cache_computed_blocks).
+        """
+        c = seq.num_computed_tokens
+        if copies:
+            self.copy.extend(copies)
+            # The copy replaced table entry c // block_size: theirs is stale from there.
+            if seq.num_blocks_synced > c // self.block_size:
+                seq.num_blocks_synced = c // self.block_size
+        seq.num_scheduled_tokens = num_tokens
+        self.budget -= num_tokens
+        end = c + num_tokens
+        if end // self.block_size > seq.num_cached_blocks:
+            self.block_manager.cache_computed_blocks(seq, end)
+        tokens = seq.token_ids
+        table = seq.block_table
+        sent = seq.num_tokens_sent
+        if sent < 0:
+            g = seq.group
+            self.new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
+                                        list(table), g.sampling, seq.sample_index))
+            append, keep, blocks = _NO_TOKENS, -1, _NO_BLOCKS
+        else:
+            synced = seq.num_blocks_synced
+            append = tokens[sent:]
+            keep = -1 if synced == seq.num_blocks_sent else synced
+            blocks = table[synced:] if synced < len(table) else _NO_BLOCKS
+        seq.num_tokens_sent = len(tokens)
+        seq.num_blocks_sent = seq.num_blocks_synced = len(table)
+        if num_tokens == 1 and end == len(tokens):
+            self.seqs.append(seq)
+            self.seq_ids.append(seq.seq_id)
+            self.num_computed_tokens.append(c)
+            self.num_tokens.append(1)
+            self.append_token_ids.append(append)
+            self.block_keep.append(keep)
+            self.block_append.append(blocks)
+        else:
+            self.other_rows.append((end == len(tokens), seq, c, num_tokens, append, keep, blocks))
+
+    def add_swap_out(self, seqs: list[Sequence], pairs: list[list[int]]) -> None:
+        self.swap_out.extend(pairs)
+        self.swapped_out_seqs.extend(seqs)
+
+    def add_swap_in(self, seqs: list[Sequence], pairs: list[list[int]]) -> None:
+        """The seqs' tables now hold fresh GPU blocks: the executors' tables are resent."""
+        self.swap_in.extend(pairs)
+        for seq in seqs:
+            seq.num_blocks_synced = 0
+
+    def build(self, step_id: int) -> StepPlan:
+        """The plan, rows in the executors' order; `seqs` then lists each row's Sequence."""
+        num_sampling_rows = len(self.seqs)
+        if self.other_rows:
+            self.other_rows.sort(key=_samples_last)      # stable: schedule order otherwise
+            samples, seqs, computed, tokens, appends, keeps, blocks = zip(*self.other_rows)
+            num_sampling_rows += sum(samples)
+            self.seqs += seqs
+            self.seq_ids += [s.seq_id for s in seqs]
+            self.num_computed_tokens += computed
+            self.num_tokens += tokens
+            self.append_token_ids += appends
+            self.block_keep += keeps
+            self.block_append += blocks
+        return StepPlan(step_id, self.new_seqs, self.seq_ids, self.num_computed_tokens,
+                        self.num_tokens, self.append_token_ids, self.block_keep,
+                        self.block_append, num_sampling_rows, self.swap_out, self.swap_in,
+                        self.copy, self.finished_seq_ids)
+
+
+def _samples_last(row: tuple) -> bool:
+    return not row[0]
