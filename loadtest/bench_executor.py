@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.executor.llama import FP32_GEMMS, _fp32_gemm, _fp32_gemm_ok  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
-from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from shared.messages import NewSeq, SamplingParams, StepPlan  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 # The clock of every measurement. `--clock cpu` (with --threads 1) counts only the CPU time
@@ -78,10 +78,10 @@ class Loop:
             left = self.budget
             for sid in running:        # decodes first
                 grow = self._grow(tables[sid], computed[sid] + 1, bs)
-                plan.scheduled.append(ScheduledSeq(sid, computed[sid], 1, pending.pop(sid, []),
-                                                   block_append=grow))
+                _add_row(plan, sid, computed[sid], 1, pending.pop(sid, []), grow)
                 computed[sid] += 1
                 left -= 1
+            partial = False
             while waiting and left > 0:
                 sid = waiting[0]
                 n = min(len(tokens[sid]) - computed[sid], left)
@@ -94,31 +94,32 @@ class Loop:
                     grow = self._grow(tables[sid], n, bs)
                     plan.new_seqs.append(NewSeq(sid, str(sid), tokens[sid], len(tokens[sid]),
                                                 grow, GREEDY))
-                    plan.scheduled.append(ScheduledSeq(sid, 0, n))
+                    _add_row(plan, sid, 0, n, [], [])
                 else:
                     grow = self._grow(tables[sid], computed[sid] + n, bs)
-                    plan.scheduled.append(ScheduledSeq(sid, computed[sid], n, block_append=grow))
+                    _add_row(plan, sid, computed[sid], n, [], grow)
                 computed[sid] += n
                 if computed[sid] == len(tokens[sid]):
                     waiting.popleft()
                     running.append(sid)
+                else:
+                    partial = True      # the budget ran out inside this prompt: its row is last
+            plan.num_sampling_rows = len(plan.seq_ids) - partial
             res = self.r.execute(plan)
-            self.processed += sum(s.num_tokens for s in plan.scheduled)
+            self.processed += sum(plan.num_tokens)
             if res.error:
                 raise RuntimeError(res.error)
             self.step += 1
             steps += 1
             if on_step:
                 on_step(plan)
-            for s in res.samples:
-                if s.token_id < 0:
-                    continue
-                tokens[s.seq_id].append(s.token_id)
-                pending.setdefault(s.seq_id, []).append(s.token_id)
-                if len(tokens[s.seq_id]) - len(prompts[s.seq_id]) >= new_tokens:
-                    running.remove(s.seq_id)
-                    finished.append(s.seq_id)
-                    self.free.extend(tables.pop(s.seq_id))
+            for sid, token in zip(plan.seq_ids, res.token_ids):     # row r's token
+                tokens[sid].append(token)
+                pending.setdefault(sid, []).append(token)
+                if len(tokens[sid]) - len(prompts[sid]) >= new_tokens:
+                    running.remove(sid)
+                    finished.append(sid)
+                    self.free.extend(tables.pop(sid))
         self.r.execute(StepPlan(self.step, finished_seq_ids=finished))
         self.step += 1
         return steps
@@ -129,6 +130,16 @@ class Loop:
         return grow
 
 
+def _add_row(plan: StepPlan, seq_id: int, computed: int, num_tokens: int, append: list[int],
+             blocks: list[int]) -> None:
+    plan.seq_ids.append(seq_id)
+    plan.num_computed_tokens.append(computed)
+    plan.num_tokens.append(num_tokens)
+    plan.append_token_ids.append(append)
+    plan.block_keep.append(-1)
+    plan.block_append.append(blocks)
+
+
 def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
     """Tokens/s of `steps` decode steps with `batch` seqs all decoding."""
     prompts = workload(batch, prompt_len, prompt_len, runner.args.vocab_size, seed=batch)
@@ -136,7 +147,7 @@ def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
     marks: list[float] = []
 
     def on_step(plan: StepPlan) -> None:
-        if all(s.num_tokens == 1 for s in plan.scheduled) and len(plan.scheduled) == batch:
+        if all(n == 1 for n in plan.num_tokens) and len(plan.num_tokens) == batch:
             marks.append(now())
 
     # The first prompts start decoding while the last are still in prefill: generate long

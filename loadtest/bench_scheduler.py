@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadtest.workloads import SHAREGPT, sample_lengths  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
-from shared.messages import (GenerationRequest, SamplingParams, SeqSample,  # noqa: E402
-                             StepResult)
+from shared.messages import GenerationRequest, SamplingParams, StepResult  # noqa: E402
 
 
 def fake_result(plan, token: int = 7) -> StepResult:
-    """What an executor returns: one sample per seq that reached the end of its tokens."""
-    return StepResult(plan.step_id, [SeqSample(s.seq_id, token, -0.5) for s in plan.scheduled])
+    """What an executor returns: one token per sampling row of the plan."""
+    n = plan.num_sampling_rows
+    return StepResult(plan.step_id, [token] * n, [-0.5] * n)
 
 
 def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
@@ -76,12 +76,10 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
     while True:
         plan = sched.schedule()
         assert sched.stats().num_preemptions == 0
-        if all(s.num_tokens == 1 for s in plan.scheduled) and len(plan.scheduled) == num_seqs:
-            result = fake_result(plan)
-            sched.update(plan, result)
+        if all(n == 1 for n in plan.num_tokens) and len(plan.num_tokens) == num_seqs:
+            sched.update(plan, fake_result(plan))
             break
-        sched.update(plan, StepResult(plan.step_id, [
-            SeqSample(s.seq_id, 7, -0.5) for s in plan.scheduled]))
+        sched.update(plan, fake_result(plan))
     gc.collect()
     times = []
     for _ in range(steps):
@@ -92,7 +90,7 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         t2 = time.perf_counter()
         outs = sched.update(plan, result)
         t3 = time.perf_counter()
-        assert len(plan.scheduled) == num_seqs and len(outs) == num_seqs
+        assert len(plan.seq_ids) == num_seqs and len(outs) == num_seqs
         times.append((t1 - t0) + (t3 - t2))
     if gc_freeze:
         gc.unfreeze()

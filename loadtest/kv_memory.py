@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadtest.workloads import WORKLOADS, make_requests  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
-from shared.messages import (GenerationRequest, SamplingParams, SeqSample,  # noqa: E402
+from shared.messages import (GenerationRequest, SamplingParams,  # noqa: E402
                              StepPlan, StepResult)
 
 # The paper's Fig. 15 bands (OPT-13B): memory saved by sharing, percent, over n / width 2..6.
@@ -81,22 +81,25 @@ class LengthOnlyExecutor:
             self.length[ns.seq_id] = len(ns.token_ids)
             self.beam[ns.seq_id] = ns.sampling.beam_width
         rng = self.rng
-        samples = []
-        for sc in plan.scheduled:
-            n = self.length[sc.seq_id] + len(sc.append_token_ids)
-            self.length[sc.seq_id] = n
-            if sc.num_computed_tokens + sc.num_tokens != n:
-                continue
-            k = self.beam[sc.seq_id]
+        result = StepResult(plan.step_id)
+        for sid, append in zip(plan.seq_ids, plan.append_token_ids):
+            self.length[sid] += len(append)
+        for sid in plan.seq_ids[:plan.num_sampling_rows]:      # row r's sample, in row order
+            k = self.beam[sid]
+            top: list = []
             if k:
                 toks = {100 + int(rng.random() * (self.vocab - 200)) for _ in range(2 * k)}
                 top = sorted(([t, math.log(rng.random() + 1e-12)] for t in toks),
                              key=lambda p: -p[1])
-                samples.append(SeqSample(sc.seq_id, top[0][0], top[0][1], top))
+                token, logprob = top[0]
             else:
-                samples.append(SeqSample(sc.seq_id, 100 + int(rng.random() * (self.vocab - 200)),
-                                         -1.0))
-        return StepResult(plan.step_id, samples)
+                token, logprob = 100 + int(rng.random() * (self.vocab - 200)), -1.0
+            result.token_ids.append(token)
+            result.logprobs.append(logprob)
+            result.top.append(top)
+        if not any(result.top):
+            result.top = []
+        return result
 
 
 class _Average:

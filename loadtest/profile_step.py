@@ -57,8 +57,8 @@ def main() -> None:
 
     def on_step(plan: StepPlan) -> None:
         # profile `steps` whole-batch decode steps after `steps` warm ones
-        decoding = (len(plan.scheduled) == args.batch
-                    and all(s.num_tokens == 1 for s in plan.scheduled))
+        decoding = (len(plan.num_tokens) == args.batch
+                    and all(n == 1 for n in plan.num_tokens))
         if state["on"]:
             times.append(time.perf_counter() - state["t"])
             if len(times) == args.steps:

@@ -3,8 +3,7 @@ import msgpack
 import pytest
 
 from shared.messages import (AbortRequest, GenerationRequest, NewSeq, RequestOutput,
-                             SamplingParams, ScheduledSeq, SeqDelta, SeqSample, StepPlan,
-                             StepResult, TokenLogprob)
+                             SamplingParams, SeqDelta, StepPlan, StepResult, TokenLogprob)
 from shared.wire import WIRE_VERSION, WireError, decode, encode
 
 
@@ -19,10 +18,12 @@ def _examples():
                         prompt_logprobs=[None, TokenLogprob(2, -4.0, [[2, -4.0]])])
     yield RequestOutput("req-2", [], finished=True, error="prompt too long", error_code=400)
     yield StepPlan(7, [NewSeq(1, "req-1", [1, 2, 3], 3, [4, 9], sp, 2)],
-                   [ScheduledSeq(1, 0, 3), ScheduledSeq(2, 17, 1, [42], 1, [8])],
-                   swap_out=[[3, 0]], swap_in=[[1, 5]], copy=[[4, 6]], finished_seq_ids=[9])
-    yield StepResult(7, [SeqSample(1, 42, -0.5, [[42, -0.5], [3, -1.0]],
-                                   [TokenLogprob(2, -3.0)])], forward_ms=3.5)
+                   seq_ids=[2, 1], num_computed_tokens=[17, 0], num_tokens=[1, 2],
+                   append_token_ids=[[42], []], block_keep=[1, -1], block_append=[[8], []],
+                   num_sampling_rows=1, swap_out=[[3, 0]], swap_in=[[1, 5]], copy=[[4, 6]],
+                   finished_seq_ids=[9])
+    yield StepResult(7, [42], [-0.5], [[[42, -0.5], [3, -1.0]]],
+                     [[], [TokenLogprob(2, -3.0)]], forward_ms=3.5)
     yield StepResult(8, [], error="out of memory")
 
 
@@ -52,11 +53,14 @@ def test_decode_refuses_garbage_and_unknown_types():
 
 def test_trailing_fields_missing_take_defaults():
     """An older sender that does not know a newer optional field still decodes."""
-    data = msgpack.packb([WIRE_VERSION, "ScheduledSeq", 5, 10, 1])
-    assert decode(data) == ScheduledSeq(5, 10, 1)
+    data = msgpack.packb([WIRE_VERSION, "StepResult", 5, [10], [-1.0]])
+    assert decode(data) == StepResult(5, [10], [-1.0])
 
 
 def test_a_decode_plan_stays_small():
     """A decode step of 256 sequences is a few bytes per sequence (diffs, not tables)."""
-    plan = StepPlan(1000, scheduled=[ScheduledSeq(i, 300, 1, [1234]) for i in range(256)])
-    assert len(encode(plan)) < 256 * 16
+    n = 256
+    plan = StepPlan(1000, seq_ids=list(range(n)), num_computed_tokens=[300] * n,
+                    num_tokens=[1] * n, append_token_ids=[[1234]] * n, block_keep=[-1] * n,
+                    block_append=[[]] * n, num_sampling_rows=n)
+    assert len(encode(plan)) < n * 16

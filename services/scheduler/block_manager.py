@@ -177,6 +177,9 @@ class BlockManager:
         end = start + num_new_tokens
         j = start // bs
         last = (end - 1) // bs
+        if last == j < len(table) and gpu.ref_count[table[j]] == 1:
+            gpu.fill(table[j], end - j * bs)     # most calls: a decode into a block it owns
+            return _NO_COPIES
         grow = last + 1 - len(table)
         shared = j < len(table) and gpu.ref_count[table[j]] > 1
         if grow + shared > gpu.free.num_free:

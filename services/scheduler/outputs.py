@@ -92,6 +92,19 @@ def result_error(plan: StepPlan, result: StepResult) -> str | None:
     return None
 
 
+def fail_step(core: Scheduler, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+    """End every request of `seqs` (what a failed step ran or swapped out: their KV state is
+    unknown) with the error; the executors drop their seqs with the next plan."""
+    failed = []
+    for group in {s.group.request_id: s.group for s in seqs}.values():
+        if group.status != SequenceStatus.FINISHED:
+            out = core.abort_request(group.request_id, "error")
+            out.error = f"the model step failed: {error}"
+            out.error_code = 500
+            failed.append(out)
+    return failed
+
+
 def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: StepResult
                  ) -> list[RequestOutput]:
     """Advance every row's seq by its scheduled tokens and apply the sampled ones. Returns
@@ -104,11 +117,12 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
     grouped: dict[str, RequestOutput] = {}   # request id -> its output (groups of several)
     beam_steps: dict[str, list] = {}
     prompt_done = 0
-    num_sampled = 0
+    num_skipped = 0
     any_finished = False
     tops = result.top if result.top else repeat(_NO_TOP)
     for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, tops):
         if seq.status != RUNNING:            # aborted or finished while in flight
+            num_skipped += 1
             continue
         c = seq.num_computed_tokens
         if c < seq.prompt_len:
@@ -119,20 +133,21 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
         if group.is_beam:
             beam_steps.setdefault(group.request_id, []).append((seq, top))
             continue
-        num_sampled += 1
         delta = append_token(seq, group, token, logprob, top)
-        out = grouped.get(group.request_id) if group.max_num_seqs > 1 else None
-        if out is not None:
-            out.seqs.append(delta)
-        else:
+        if group.max_num_seqs == 1:
             if group.first_output_sent:
                 out = RequestOutput(group.request_id, [delta], False, group.prompt_len,
                                     group.num_cached_tokens)
             else:
                 out = request_output(group, [delta])
-            if group.max_num_seqs > 1:
-                grouped[group.request_id] = out
             outs.append(out)
+        else:
+            out = grouped.get(group.request_id)
+            if out is None:
+                out = grouped[group.request_id] = request_output(group, [delta])
+                outs.append(out)
+            else:
+                out.seqs.append(delta)
         if delta.finish_reason is not None:
             core.finish_seq(seq)
             if not group.seqs:
@@ -147,13 +162,12 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
             seq.num_computed_tokens = c + t
             seq.num_scheduled_tokens = 0
     for rid, beams in beam_steps.items():
-        num_sampled += len(beams)
         out = beam_step(core, core.groups[rid], beams)
         if out is not None:
             outs.append(out)
             any_finished = True
     core.prompt_tokens_total += prompt_done
-    core.generation_tokens_total += num_sampled
+    core.generation_tokens_total += num_sampling - num_skipped
     if any_finished:
         core.running = [g for g in core.running if g.status == RUNNING]
     return outs

@@ -40,27 +40,20 @@ def drop_from_executors(seq: Sequence, finished_seq_ids: list[int]) -> None:
 class PlanBuilder:
     """One step's plan, built as sequences are scheduled; `budget` is the tokens left."""
 
-    __slots__ = ("block_manager", "block_size", "budget", "seqs", "seq_ids",
-                 "num_computed_tokens", "num_tokens", "append_token_ids", "block_keep",
-                 "block_append", "other_rows", "new_seqs", "swap_out", "swap_in", "copy",
-                 "finished_seq_ids", "swapped_out_seqs")
+    __slots__ = ("block_manager", "block_size", "budget", "decode_rows", "other_rows",
+                 "new_seqs", "swap_out", "swap_in", "copy", "finished_seq_ids",
+                 "swapped_out_seqs")
 
     def __init__(self, block_manager: BlockManager, budget: int,
                  finished_seq_ids: list[int]) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.budget = budget
-        # Decode rows that sample (the bulk of a step) go straight into the plan's columns;
-        # `seqs[r]` is the Sequence of row r.
-        self.seqs: list[Sequence] = []
-        self.seq_ids: list[int] = []
-        self.num_computed_tokens: list[int] = []
-        self.num_tokens: list[int] = []
-        self.append_token_ids: list[list[int]] = []
-        self.block_keep: list[int] = []
-        self.block_append: list[list[int]] = []
-        # Every other row, as (samples, seq, computed, tokens, append, keep, blocks): placed
-        # after the decodes by build().
+        # Rows as tuples, turned into the plan's columns by build() (one C-level transpose
+        # instead of six list appends per row):
+        #   decode_rows  (seq, seq_id, computed, append, keep, blocks): one token, sampled
+        #   other_rows   (samples, seq, seq_id, computed, tokens, append, keep, blocks)
+        self.decode_rows: list[tuple] = []
         self.other_rows: list[tuple] = []
         self.new_seqs: list[NewSeq] = []
         self.swap_out: list[list[int]] = []
@@ -71,7 +64,8 @@ class PlanBuilder:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.seqs or self.other_rows or self.swap_out or self.swap_in or self.copy)
+        return not (self.decode_rows or self.other_rows or self.swap_out or self.swap_in
+                    or self.copy)
 
     def add(self, seq: Sequence, num_tokens: int, copies: list[list[int]]) -> None:
         """Put `seq` into the step with `num_tokens` tokens; its slots are allocated and
@@ -82,15 +76,16 @@ class PlanBuilder:
         BlockManager.cache_computed_blocks).
         """
         c = seq.num_computed_tokens
+        bs = self.block_size
         if copies:
             self.copy.extend(copies)
             # The copy replaced table entry c // block_size: theirs is stale from there.
-            if seq.num_blocks_synced > c // self.block_size:
-                seq.num_blocks_synced = c // self.block_size
+            if seq.num_blocks_synced > c // bs:
+                seq.num_blocks_synced = c // bs
         seq.num_scheduled_tokens = num_tokens
         self.budget -= num_tokens
         end = c + num_tokens
-        if end // self.block_size > seq.num_cached_blocks:
+        if end // bs > seq.num_cached_blocks:
             self.block_manager.cache_computed_blocks(seq, end)
         tokens = seq.token_ids
         table = seq.block_table
@@ -105,18 +100,13 @@ class PlanBuilder:
             append = tokens[sent:]
             keep = -1 if synced == seq.num_blocks_sent else synced
             blocks = table[synced:] if synced < len(table) else _NO_BLOCKS
-        seq.num_tokens_sent = len(tokens)
+        n = seq.num_tokens_sent = len(tokens)
         seq.num_blocks_sent = seq.num_blocks_synced = len(table)
-        if num_tokens == 1 and end == len(tokens):
-            self.seqs.append(seq)
-            self.seq_ids.append(seq.seq_id)
-            self.num_computed_tokens.append(c)
-            self.num_tokens.append(1)
-            self.append_token_ids.append(append)
-            self.block_keep.append(keep)
-            self.block_append.append(blocks)
+        if num_tokens == 1 and end == n:
+            self.decode_rows.append((seq, seq.seq_id, c, append, keep, blocks))
         else:
-            self.other_rows.append((end == len(tokens), seq, c, num_tokens, append, keep, blocks))
+            self.other_rows.append((end == n, seq, seq.seq_id, c, num_tokens, append, keep,
+                                    blocks))
 
     def add_swap_out(self, seqs: list[Sequence], pairs: list[list[int]]) -> None:
         self.swap_out.extend(pairs)
@@ -128,24 +118,25 @@ class PlanBuilder:
         for seq in seqs:
             seq.num_blocks_synced = 0
 
-    def build(self, step_id: int) -> StepPlan:
-        """The plan, rows in the executors' order; `seqs` then lists each row's Sequence."""
-        num_sampling_rows = len(self.seqs)
+    def build(self, step_id: int) -> tuple[StepPlan, list[Sequence]]:
+        """The plan, rows in the executors' order, and the Sequence of each row."""
+        if self.decode_rows:
+            seqs, seq_ids, computed, appends, keeps, blocks = map(list, zip(*self.decode_rows))
+        else:
+            seqs, seq_ids, computed, appends, keeps, blocks = [], [], [], [], [], []
+        num_tokens = [1] * len(seqs)
+        num_sampling_rows = len(seqs)
         if self.other_rows:
             self.other_rows.sort(key=_samples_last)      # stable: schedule order otherwise
-            samples, seqs, computed, tokens, appends, keeps, blocks = zip(*self.other_rows)
+            samples, *columns = zip(*self.other_rows)
             num_sampling_rows += sum(samples)
-            self.seqs += seqs
-            self.seq_ids += [s.seq_id for s in seqs]
-            self.num_computed_tokens += computed
-            self.num_tokens += tokens
-            self.append_token_ids += appends
-            self.block_keep += keeps
-            self.block_append += blocks
-        return StepPlan(step_id, self.new_seqs, self.seq_ids, self.num_computed_tokens,
-                        self.num_tokens, self.append_token_ids, self.block_keep,
-                        self.block_append, num_sampling_rows, self.swap_out, self.swap_in,
-                        self.copy, self.finished_seq_ids)
+            for column, more in zip((seqs, seq_ids, computed, num_tokens, appends, keeps,
+                                     blocks), columns):
+                column += more
+        plan = StepPlan(step_id, self.new_seqs, seq_ids, computed, num_tokens, appends, keeps,
+                        blocks, num_sampling_rows, self.swap_out, self.swap_in, self.copy,
+                        self.finished_seq_ids)
+        return plan, seqs
 
 
 def _samples_last(row: tuple) -> bool:

@@ -32,7 +32,7 @@ from services.scheduler.block_manager import BlockManager, ContiguousBlockManage
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
-from services.scheduler.stats import SchedulerStats
+from services.scheduler.stats import SchedulerStats, scheduler_stats
 from shared.messages import GenerationRequest, RequestOutput, SeqDelta, StepPlan, StepResult
 
 WAITING = SequenceStatus.WAITING
@@ -184,17 +184,31 @@ class Scheduler:
             self._pending_finished = step.finished_seq_ids
             return None
         self._step_id += 1
-        plan = step.build(self._step_id)
-        self._inflight = (self._step_id, step.seqs, step.swapped_out_seqs)
+        plan, seqs = step.build(self._step_id)
+        self._inflight = (self._step_id, seqs, step.swapped_out_seqs)
         return plan
 
     def _schedule_running(self, step: PlanBuilder) -> None:
-        running = self.running
-        i = 0
-        while i < len(running) and step.budget > 0:
-            if self._schedule_group(running[i], step, may_preempt=True):
-                i += 1
-            # else: the group preempted itself and left `running`
+        allocate_slots = self.block_manager.allocate_slots
+        add = step.add
+        # NOTE: a preemption only removes groups from the end of `running` (the victim is the
+        # latest one, possibly the group being scheduled): iterating over it stays valid.
+        for group in self.running:
+            budget = step.budget
+            if budget <= 0:
+                return
+            seqs = group.seqs
+            if len(seqs) == 1:
+                # The bulk of every step: one seq, its tokens up to the budget, slots there.
+                seq = seqs[0]
+                t = len(seq.token_ids) - seq.num_computed_tokens
+                if t > budget:
+                    t = budget
+                copies = allocate_slots(seq, t) if t > 0 else None
+                if copies is not None:
+                    add(seq, t, copies)
+                    continue
+            self._schedule_group(group, step, may_preempt=True)
 
     def _schedule_swapped(self, step: PlanBuilder) -> None:
         bm = self.block_manager
@@ -202,7 +216,7 @@ class Scheduler:
             group = self.swapped[0]
             if self.num_running_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 return
-            need = bm.blocks_to_swap_in(group.seqs, self._group_work(group, step.budget))
+            need = bm.blocks_to_swap_in(group.seqs, group.work(step.budget))
             if bm.num_free_blocks - need < self._headroom(group):
                 return
             self.swapped.pop(0)
@@ -312,31 +326,6 @@ class Scheduler:
         else:
             insort(running, group, key=_sort_key)
 
-    def _group_work(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """(seq, tokens) to run this step within `budget`, for a group of several seqs. One
-        not yet forked runs only its leader, up to the fork point. A beam group samples all
-        its beams in the same step or none (beam selection needs every beam's candidates)."""
-        seqs = group.seqs
-        if not group.forked:
-            leader = seqs[0]
-            t = min(group.fork_point - leader.num_computed_tokens, budget)
-            return [(leader, t)] if t > 0 else []
-        work = []
-        all_sample = True
-        for seq in seqs:
-            left = len(seq.token_ids) - seq.num_computed_tokens
-            t = left if left < budget else budget
-            if t < left:
-                all_sample = False
-            if t > 0:
-                work.append((seq, t))
-                budget -= t
-        if group.is_beam and not all_sample:
-            work = [(s, t - (1 if s.num_computed_tokens + t == len(s.token_ids) else 0))
-                    for s, t in work]
-            work = [(s, t) for s, t in work if t > 0]
-        return work
-
     def _make_room(self, group: SequenceGroup, step: PlanBuilder, may_preempt: bool) -> bool:
         """Free blocks by preempting the latest running group. False when `group` may not
         preempt, or had to go itself."""
@@ -352,21 +341,6 @@ class Scheduler:
         preempt, could not get its blocks)."""
         bm = self.block_manager
         seqs = group.seqs
-        if len(seqs) == 1:
-            # The bulk of every step: one seq, its tokens up to the budget.
-            seq = seqs[0]
-            t = len(seq.token_ids) - seq.num_computed_tokens
-            if t > step.budget:
-                t = step.budget
-            if t <= 0:
-                return True
-            copies = bm.allocate_slots(seq, t)
-            while copies is None:
-                if not self._make_room(group, step, may_preempt):
-                    return group.status == RUNNING
-                copies = bm.allocate_slots(seq, t)
-            step.add(seq, t, copies)
-            return True
         if group.needs_fork and seqs[0].num_computed_tokens >= group.fork_point:
             while bm.num_free_blocks < bm.blocks_to_fork(group):
                 if not self._make_room(group, step, may_preempt):
@@ -375,7 +349,7 @@ class Scheduler:
             for seq in seqs[1:]:
                 step.copy.extend(bm.fork(leader, seq))
             group.forked = True
-        work = self._group_work(group, step.budget)
+        work = group.work(step.budget)
         if not work:
             return True
         while bm.num_free_blocks < bm.blocks_for(work):
@@ -431,33 +405,19 @@ class Scheduler:
             raise ValueError(f"the result of step {result.step_id} does not answer step "
                              f"{plan.step_id}")
         _, seqs, swapped_out = self._inflight
+        self._inflight = None
         error = outputs.result_error(plan, result)
         if error is not None:
-            return self._fail_step(seqs, swapped_out, error)
-        self._inflight = None
+            return outputs.fail_step(self, seqs + swapped_out, error)
         return outputs.apply_result(self, plan, seqs, result)
-
-    def _fail_step(self, seqs: list[Sequence], swapped_out: list[Sequence], error: str
-                   ) -> list[RequestOutput]:
-        """End every request the failed step ran or swapped out, with the error (their KV
-        state is unknown); the executors drop their seqs with the next plan."""
-        failed = []
-        for group in {s.group.request_id: s.group for s in seqs + swapped_out}.values():
-            if group.status == FINISHED:
-                continue
-            out = self.abort_request(group.request_id, "error")   # takes back cache entries
-            out.error = f"the model step failed: {error}"
-            out.error_code = 500
-            failed.append(out)
-        self._inflight = None
-        return failed
 
     # ------------------------------------------------------------------ finishing
     def release_seq(self, seq: Sequence) -> None:
         """Free a seq's blocks and tell the executors to drop it with the next plan."""
-        if self._inflight is not None and seq.num_scheduled_tokens:
-            # Aborted while its step runs: the prefix-cache entries of the blocks that step
-            # fills were registered when it was scheduled, and their K/V may never be written.
+        if seq.num_scheduled_tokens:
+            # Aborted while its step runs, or its step failed: the prefix-cache entries of the
+            # blocks that step fills were registered when it was scheduled, and their K/V may
+            # never be written.
             c = seq.num_computed_tokens
             self.block_manager.uncache_blocks(seq, c // self.block_size,
                                               (c + seq.num_scheduled_tokens) // self.block_size)
@@ -488,21 +448,4 @@ class Scheduler:
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> SchedulerStats:
-        bm = self.block_manager
-        gpu = bm.gpu
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=self.num_waiting,
-            num_swapped=len(self.swapped), num_running_seqs=sum(len(g.seqs) for g in self.running),
-            gpu_blocks_used=gpu.num_used, gpu_blocks_free=gpu.num_free,
-            gpu_blocks_cached=len(gpu.cached), gpu_blocks_total=gpu.num_blocks,
-            gpu_blocks_logical=gpu.num_refs,
-            cpu_blocks_used=bm.cpu.num_used, cpu_blocks_total=bm.cpu.num_blocks,
-            token_slots_allocated=gpu.num_used * self.block_size,
-            token_slots_filled=gpu.num_filled_slots,
-            num_preemptions=self.num_preemptions,
-            swapped_out_blocks_total=bm.swapped_out_blocks_total,
-            swapped_in_blocks_total=bm.swapped_in_blocks_total,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total)
+        return scheduler_stats(self)

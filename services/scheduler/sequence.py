@@ -114,5 +114,30 @@ class SequenceGroup:
     def needs_fork(self) -> bool:
         return not self.forked and len(self.seqs) > 1
 
+    def work(self, budget: int) -> list[tuple[Sequence, int]]:
+        """(seq, tokens) to run this step within `budget`. A group not yet forked runs only
+        its leader, up to the fork point. A beam group samples all its beams in the same
+        step or none (beam selection needs every beam's candidates)."""
+        seqs = self.seqs
+        if len(seqs) > 1 and not self.forked:
+            leader = seqs[0]
+            t = min(self.fork_point - leader.num_computed_tokens, budget)
+            return [(leader, t)] if t > 0 else []
+        work = []
+        all_sample = True
+        for seq in seqs:
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            t = left if left < budget else budget
+            if t < left:
+                all_sample = False
+            if t > 0:
+                work.append((seq, t))
+                budget -= t
+        if self.is_beam and not all_sample:
+            work = [(s, t - (1 if s.num_computed_tokens + t == len(s.token_ids) else 0))
+                    for s, t in work]
+            work = [(s, t) for s, t in work if t > 0]
+        return work
+
     def __repr__(self) -> str:
         return f"SequenceGroup({self.request_id!r}, {self.status.name}, seqs={len(self.seqs)})"

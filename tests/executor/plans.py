@@ -9,10 +9,28 @@ No policy beyond that: this is a test driver, not the scheduler.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import deque, namedtuple
 from dataclasses import dataclass, field
 
-from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
+from shared.messages import NewSeq, SamplingParams, StepPlan, StepResult
+
+
+# One row of a plan, as the tests write it (the plan itself is columnar).
+Row = namedtuple("Row", "seq_id num_computed_tokens num_tokens append_token_ids block_keep "
+                        "block_append", defaults=([], -1, []))
+
+
+def step_plan(step_id: int, new_seqs: list[NewSeq] = (), rows: list[Row] = (),
+              sampling: int | None = None, **cache_ops) -> StepPlan:
+    """A StepPlan of these rows; the first `sampling` of them (default: all) sample."""
+    plan = StepPlan(step_id, list(new_seqs), **cache_ops)
+    for row in rows:
+        for column, value in zip((plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
+                                  plan.append_token_ids, plan.block_keep, plan.block_append),
+                                 Row(*row)):
+            column.append(value)
+    plan.num_sampling_rows = len(rows) if sampling is None else sampling
+    return plan
 
 
 @dataclass
@@ -51,6 +69,7 @@ class PlanBuilder:
         self._swap_out: list[list[int]] = []
         self._swap_in: list[list[int]] = []
         self._finished: list[int] = []
+        self._last_plan: StepPlan | None = None
 
     def add(self, seq_id: int, prompt: list[int], sampling: SamplingParams, max_new: int,
             sample_index: int = 0) -> TestSeq:
@@ -105,6 +124,7 @@ class PlanBuilder:
         running = [s for s in self.seqs.values() if s.state in ("running", "new")]
         decodes = [s for s in running if len(s.tokens) - s.num_computed == 1]
         prefills = [s for s in running if len(s.tokens) - s.num_computed > 1]
+        rows = []
         for seq in decodes + prefills:
             n = min(len(seq.tokens) - seq.num_computed, left)
             if n <= 0:
@@ -118,13 +138,18 @@ class PlanBuilder:
                                             seq.prompt_len, list(seq.table), seq.sampling,
                                             seq.sample_index))
                 seq.state = "running"
-                sched = ScheduledSeq(seq.seq_id, seq.num_computed, n)
+                row = (seq.seq_id, seq.num_computed, n, [], -1, [])
             else:
-                sched = ScheduledSeq(seq.seq_id, seq.num_computed, n, seq.to_append,
-                                     seq.block_keep, seq.block_append + grow)
-            plan.scheduled.append(sched)
+                row = (seq.seq_id, seq.num_computed, n, seq.to_append, seq.block_keep,
+                       seq.block_append + grow)
+            rows.append((seq.num_computed + n == len(seq.tokens), row))
             seq.to_append, seq.block_keep, seq.block_append = [], -1, []
             seq.num_computed += n
+        rows.sort(key=lambda r: not r[0])     # the rows that sample first, as the contract says
+        plan = step_plan(plan.step_id, plan.new_seqs, [row for _, row in rows],
+                         sum(samples for samples, _ in rows), swap_out=plan.swap_out,
+                         swap_in=plan.swap_in, finished_seq_ids=plan.finished_seq_ids)
+        self._last_plan = plan
         for seq in self.seqs.values():
             if seq.state == "dropped" and seq.seq_id in plan.finished_seq_ids:
                 seq.state = "new"   # this plan drops it; the next one re-admits it
@@ -132,13 +157,13 @@ class PlanBuilder:
 
     def apply(self, result: StepResult) -> None:
         assert result.error is None, result.error
-        for s in result.samples:
-            if s.token_id < 0:
-                continue
-            seq = self.seqs[s.seq_id]
-            seq.tokens.append(s.token_id)
-            seq.outputs.append(s.token_id)
-            seq.to_append.append(s.token_id)
+        plan = self._last_plan
+        assert result.step_id == plan.step_id
+        for seq_id, token in zip(plan.seq_ids, result.token_ids):   # row r's token
+            seq = self.seqs[seq_id]
+            seq.tokens.append(token)
+            seq.outputs.append(token)
+            seq.to_append.append(token)
             if len(seq.outputs) >= seq.max_new:
                 seq.state = "done"
                 self.free_gpu.extend(seq.table)

@@ -12,7 +12,8 @@ BS, HQ, HKV, D, NB = 4, 6, 2, 16, 1024
 
 
 def _batch(dtype, chunks, seed=0):
-    """chunks: (num_computed, num_tokens) per seq, decodes first. Blocks are scattered."""
+    """chunks: (num_computed, num_tokens) per seq; the leading one-token rows are the decode
+    batch. Blocks are scattered."""
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(NB, BS, HKV, D, generator=g).to(dtype)
     v_cache = torch.randn(NB, BS, HKV, D, generator=g).to(dtype)
@@ -71,9 +72,17 @@ def test_decode_ignores_stale_slots_past_the_context(decode_path):
     assert torch.allclose(paged_attention(q, k, v, kc, vc, meta, 0.25), before)
 
 
-def test_decodes_must_come_first():
-    with pytest.raises(ValueError, match="decodes"):
-        AttentionMetadata.build([[0], [1, 2]], [0, 3], [4, 1], BS, torch.device("cpu"))
+def test_a_one_token_row_after_a_chunk_runs_as_a_chunk_of_one(decode_path):
+    """Only the leading one-token rows form the decode batch; a one-token prefill chunk
+    placed after a longer chunk (the plan's non-sampling rows come last) is exact too."""
+    chunks = [(9, 1), (0, 7), (12, 1), (0, 1), (3, 5)]
+    q, k, v, kc, vc, meta = _batch(torch.float32, chunks, seed=5)
+    assert meta.num_decode == 1 and len(meta.prefills) == 4
+    write_kv(k, v, kc, vc, meta)
+    out = paged_attention(q, k, v, kc, vc, meta, 0.3)
+    ref = reference.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, 0.3)
+    assert (out - ref).abs().max() < 1e-5
 
 
 def test_large_decode_batch_matches_reference(decode_path):

@@ -38,7 +38,7 @@ def _generate(runner, prompts, on_step=None) -> tuple[PlanBuilder, dict[int, lis
             if on_step is not None:
                 on_step(b)
             plan = b.next_plan()
-            n = [s.num_tokens for s in plan.scheduled]
+            n = plan.num_tokens
             mixed_steps += 1 in n and any(x > 1 for x in n)
             result = runner.execute(plan)
             b.apply(result)

@@ -9,9 +9,10 @@ import torch
 from services.executor.config import ExecutorConfig
 from services.executor.llama import UnsupportedModel
 from services.executor.model_loader import load_model
-from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from shared.messages import NewSeq, SamplingParams, StepPlan
 from shared.model_source import ModelNotFound
 from tests.executor.conftest import make_tiny_checkpoint, tiny_runner
+from tests.executor.plans import Row, step_plan
 
 TOL = 1e-4
 
@@ -24,20 +25,19 @@ def teacher_forced_logits(runner, tokens: list[int], prompt_len: int, chunk: int
     runner.keep_logits = True
     rows = []
     step = 0
-    plan = StepPlan(step, new_seqs=[NewSeq(7, "r", tokens[:prompt_len], prompt_len, table,
-                                           SamplingParams(temperature=0.0))])
+    new = [NewSeq(7, "r", tokens[:prompt_len], prompt_len, table, SamplingParams(temperature=0.0))]
     done = 0
     while done < prompt_len:
         n = min(chunk, prompt_len - done)
-        plan.scheduled = [ScheduledSeq(7, done, n)]
-        res = runner.execute(plan)
+        res = runner.execute(step_plan(step, new, [Row(7, done, n)],
+                                       sampling=int(done + n == prompt_len)))
         assert res.error is None, res.error
         done += n
         step += 1
-        plan = StepPlan(step)
+        new = []
     rows.append(runner.last_logits[7])
     for t in range(prompt_len, len(tokens)):
-        res = runner.execute(StepPlan(step, scheduled=[ScheduledSeq(7, t, 1, [tokens[t]])]))
+        res = runner.execute(step_plan(step, rows=[Row(7, t, 1, [tokens[t]])]))
         assert res.error is None, res.error
         rows.append(runner.last_logits[7])
         step += 1

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from shared.messages import NewSeq, SamplingParams, StepPlan
 from shared.wire import decode, encode
 from tests.executor.conftest import tiny_runner
+from tests.executor.plans import Row, step_plan
 from tests.executor.test_loader import hf_logits, teacher_forced_logits
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -22,25 +23,25 @@ def tiny(tiny_llama):
 
 def _generate(r, steps, seq_id=1, table=(0, 1, 2, 3, 4, 5), params=GREEDY, prompt=PROMPT):
     """Greedy tokens of one seq run alone: prefill, then `steps - 1` decodes."""
-    res = r.execute(StepPlan(0, [NewSeq(seq_id, "r", prompt, len(prompt), list(table), params)],
-                             [ScheduledSeq(seq_id, 0, len(prompt))]))
-    out = [res.samples[0].token_id]
+    res = r.execute(step_plan(0, [NewSeq(seq_id, "r", prompt, len(prompt), list(table), params)],
+                             [Row(seq_id, 0, len(prompt))]))
+    out = [res.token_ids[0]]
     for i in range(steps - 1):
-        res = r.execute(StepPlan(i + 1, scheduled=[
-            ScheduledSeq(seq_id, len(prompt) + i, 1, [out[-1]])]))
+        res = r.execute(step_plan(i + 1, rows=[
+            Row(seq_id, len(prompt) + i, 1, [out[-1]])]))
         assert res.error is None, res.error
-        out.append(res.samples[0].token_id)
+        out.append(res.token_ids[0])
     r.execute(StepPlan(99, finished_seq_ids=[seq_id]))
     return out
 
 
 def test_prefill_chunk_short_of_the_end_does_not_sample(tiny):
     r, _ = tiny
-    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
-                             [ScheduledSeq(1, 0, 6)]))
-    assert res.error is None and res.samples[0].token_id == -1
-    res = r.execute(StepPlan(1, scheduled=[ScheduledSeq(1, 6, 5)]))
-    assert res.samples[0].token_id >= 0
+    res = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                              [Row(1, 0, 6)], sampling=0))
+    assert res.error is None and res.token_ids == [] and res.logprobs == []
+    res = r.execute(step_plan(1, rows=[Row(1, 6, 5)]))
+    assert res.token_ids[0] >= 0
     r.execute(StepPlan(2, finished_seq_ids=[1]))
 
 
@@ -48,7 +49,7 @@ def test_finished_seq_ids_drop_executor_state(tiny):
     r, _ = tiny
     _generate(r, 2)
     assert 1 not in r.seqs
-    res = r.execute(StepPlan(5, scheduled=[ScheduledSeq(1, 11, 1, [3])]))
+    res = r.execute(step_plan(5, rows=[Row(1, 11, 1, [3])]))
     assert res.error is not None and "unknown" in res.error and "NewSeq" in res.error
 
 
@@ -57,38 +58,38 @@ def test_block_diff_copy_on_write_keeps_the_output(tiny):
     filled one, which the plan copies (copy op) before the child writes into it."""
     r, _ = tiny
     alone = _generate(r, 6, table=range(6))
-    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
-                             [ScheduledSeq(1, 0, len(PROMPT))]))
-    first = res.samples[0].token_id
+    res = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                             [Row(1, 0, len(PROMPT))]))
+    first = res.token_ids[0]
     # child seq 2 shares blocks 0, 1, 2; block 2 holds 3 tokens and is copied to block 9
     fork = NewSeq(2, "r", PROMPT + [first], len(PROMPT), [0, 1, 2], GREEDY)
-    res = r.execute(StepPlan(1, [fork], [
-        ScheduledSeq(1, 11, 1, [first], block_append=[3]),
-        ScheduledSeq(2, 11, 1, [], block_keep=2, block_append=[9])], copy=[[2, 9]]))
+    res = r.execute(step_plan(1, [fork], [
+        Row(1, 11, 1, [first], block_append=[3]),
+        Row(2, 11, 1, [], block_keep=2, block_append=[9])], copy=[[2, 9]]))
     assert r.seqs[2].block_table == [0, 1, 9] and r.seqs[1].block_table == [0, 1, 2, 3]
-    assert res.samples[0].token_id == res.samples[1].token_id == alone[1]
+    assert res.token_ids[0] == res.token_ids[1] == alone[1]
     r.execute(StepPlan(2, finished_seq_ids=[1, 2]))
 
 
 def test_swap_out_and_in_moves_the_blocks(tiny):
     r, _ = tiny
     alone = _generate(r, 5)
-    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
-                             [ScheduledSeq(1, 0, len(PROMPT))]))
-    out = [res.samples[0].token_id]
+    res = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                             [Row(1, 0, len(PROMPT))]))
+    out = [res.token_ids[0]]
     saved = r.kv.gpu[:, :, [0, 1, 2]].clone()
     r.execute(StepPlan(1, swap_out=[[0, 5], [1, 6], [2, 7]]))
     r.kv.gpu[:, :, [0, 1, 2]] = 0.0                   # another seq reuses the blocks
-    res = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 11, 1, [out[-1]], block_keep=0,
+    res = r.execute(step_plan(2, rows=[Row(1, 11, 1, [out[-1]], block_keep=0,
                                                         block_append=[20, 21, 22, 23])],
                              swap_in=[[5, 20], [6, 21], [7, 22]]))
     assert r.seqs[1].block_table == [20, 21, 22, 23]
     assert torch.equal(r.kv.gpu[:, :, [20, 21]], saved[:, :, :2])
     assert torch.equal(r.kv.gpu[:, :, 22, :3], saved[:, :, 2, :3])   # slot 3: this step's token
-    out.append(res.samples[0].token_id)
+    out.append(res.token_ids[0])
     for i in range(3):
-        res = r.execute(StepPlan(3 + i, scheduled=[ScheduledSeq(1, 12 + i, 1, [out[-1]])]))
-        out.append(res.samples[0].token_id)
+        res = r.execute(step_plan(3 + i, rows=[Row(1, 12 + i, 1, [out[-1]])]))
+        out.append(res.token_ids[0])
     r.execute(StepPlan(9, finished_seq_ids=[1]))
     assert out == alone
 
@@ -99,13 +100,13 @@ def test_recompute_as_new_seq_with_outputs_continues_identically(tiny):
     head = _generate(r, 3)
     # the seq was dropped; it comes back with prompt + its 3 outputs, on other blocks
     resumed = PROMPT + head
-    res = r.execute(StepPlan(0, [NewSeq(1, "r", resumed, len(PROMPT), [10, 11, 12, 13], GREEDY)],
-                             [ScheduledSeq(1, 0, len(resumed))]))
-    out = head + [res.samples[0].token_id]
+    res = r.execute(step_plan(0, [NewSeq(1, "r", resumed, len(PROMPT), [10, 11, 12, 13], GREEDY)],
+                             [Row(1, 0, len(resumed))]))
+    out = head + [res.token_ids[0]]
     for i in range(2):
-        res = r.execute(StepPlan(1 + i, scheduled=[
-            ScheduledSeq(1, len(resumed) + i, 1, [out[-1]])]))
-        out.append(res.samples[0].token_id)
+        res = r.execute(step_plan(1 + i, rows=[
+            Row(1, len(resumed) + i, 1, [out[-1]])]))
+        out.append(res.token_ids[0])
     r.execute(StepPlan(9, finished_seq_ids=[1]))
     assert out == alone
 
@@ -114,12 +115,12 @@ def test_prompt_logprobs_cover_each_position_once_across_chunks(tiny):
     r, hf = tiny
     params = SamplingParams(temperature=0.0, prompt_logprobs=2)
     got = []
-    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
-                             [ScheduledSeq(1, 0, 4)]))
-    got.append(res.samples[0].prompt_logprobs)
+    res = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
+                             [Row(1, 0, 4)], sampling=0))
+    got.append(res.prompt_logprobs[0])
     for step, (c, n) in enumerate([(4, 1), (5, 5), (10, 1)], start=1):
-        res = r.execute(StepPlan(step, scheduled=[ScheduledSeq(1, c, n)]))
-        got.append(res.samples[0].prompt_logprobs)
+        res = r.execute(step_plan(step, rows=[Row(1, c, n)], sampling=int(c + n == 11)))
+        got.append(res.prompt_logprobs[0])
     r.execute(StepPlan(9, finished_seq_ids=[1]))
     # positions computed per chunk: 0-3 (0 has none), 4, 5-9, 10
     assert [len(g) for g in got] == [3, 1, 5, 1]
@@ -140,9 +141,9 @@ def test_n_samples_differ_by_sample_index_and_seeds_reproduce(tiny):
                 for i, ix in enumerate(indices)]
         seqs += [NewSeq(50 + j, "o", p, len(p), [40 + j], SamplingParams(temperature=1.0))
                  for j, p in enumerate(extra)]
-        res = r.execute(StepPlan(0, seqs, [ScheduledSeq(s.seq_id, 0, len(s.token_ids))
-                                           for s in seqs]))
-        toks = {s.seq_id: s.token_id for s in res.samples}
+        plan = step_plan(0, seqs, [Row(s.seq_id, 0, len(s.token_ids)) for s in seqs])
+        res = r.execute(plan)
+        toks = dict(zip(plan.seq_ids, res.token_ids))
         r.execute(StepPlan(1, finished_seq_ids=list(toks)))
         return [toks[i + 1] for i in range(len(indices))]
 
@@ -155,25 +156,32 @@ def test_n_samples_differ_by_sample_index_and_seeds_reproduce(tiny):
 def test_beam_width_returns_two_candidates_per_beam(tiny):
     r, _ = tiny
     params = SamplingParams(temperature=0.0, beam_width=4, logprobs=1)
-    res = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
-                             [ScheduledSeq(1, 0, len(PROMPT))]))
+    res = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
+                             [Row(1, 0, len(PROMPT))]))
     r.execute(StepPlan(1, finished_seq_ids=[1]))
-    s = res.samples[0]
-    assert len(s.top) == 8 and s.top[0][0] == s.token_id and abs(s.top[0][1] - s.logprob) < 1e-6
+    top = res.top[0]
+    assert len(top) == 8 and top[0][0] == res.token_ids[0]
+    assert abs(top[0][1] - res.logprobs[0]) < 1e-6
 
 
 def test_bad_plans_come_back_as_errors_and_the_runner_keeps_working(tiny):
     r, _ = tiny
-    short = r.execute(StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0], GREEDY)],
-                               [ScheduledSeq(1, 0, len(PROMPT))]))
+    short = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0], GREEDY)],
+                               [Row(1, 0, len(PROMPT))]))
     assert "1 blocks cannot hold 11 tokens" in short.error
-    outside = r.execute(StepPlan(1, [NewSeq(2, "r", PROMPT, len(PROMPT), [0, 1, 10_000], GREEDY)]))
+    outside = r.execute(step_plan(1, [NewSeq(2, "r", PROMPT, len(PROMPT), [0, 1, 10_000], GREEDY)]))
     assert "outside the pool" in outside.error
-    beyond = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 0, 99)]))
+    beyond = r.execute(step_plan(2, rows=[Row(1, 0, 99)]))
     assert "not within its 11 tokens" in beyond.error
-    twice = r.execute(StepPlan(2, scheduled=[ScheduledSeq(1, 0, 3), ScheduledSeq(1, 3, 3)]))
+    twice = r.execute(step_plan(2, rows=[Row(1, 0, 3), Row(1, 3, 3)]))
     assert "scheduled twice" in twice.error
     r.execute(StepPlan(3, finished_seq_ids=[1, 2]))
+    misnumbered = r.execute(step_plan(4, [NewSeq(3, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                                      [Row(3, 0, len(PROMPT))], sampling=0))
+    assert "num_sampling_rows" in misnumbered.error    # the row reaches its end: it samples
+    uneven = StepPlan(5, seq_ids=[3], num_computed_tokens=[0], num_tokens=[], num_sampling_rows=1)
+    assert "columns differ" in r.execute(uneven).error
+    r.execute(StepPlan(6, finished_seq_ids=[3]))
     assert "Traceback" not in short.error + outside.error + beyond.error
     assert len(_generate(r, 2)) == 2
 
@@ -181,12 +189,12 @@ def test_bad_plans_come_back_as_errors_and_the_runner_keeps_working(tiny):
 def test_step_result_survives_the_wire(tiny):
     r, _ = tiny
     params = SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1)
-    plan = StepPlan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
-                    [ScheduledSeq(1, 0, len(PROMPT))])
+    plan = step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), [0, 1, 2], params)],
+                    [Row(1, 0, len(PROMPT))])
     res = r.execute(decode(encode(plan)))
     r.execute(StepPlan(1, finished_seq_ids=[1]))
     assert decode(encode(res)) == res
-    assert res.forward_ms > 0 and len(res.samples[0].prompt_logprobs) == len(PROMPT) - 1
+    assert res.forward_ms > 0 and len(res.prompt_logprobs[0]) == len(PROMPT) - 1
 
 
 def test_runner_matches_transformers_on_a_batch_of_mixed_work(tiny):
@@ -197,13 +205,14 @@ def test_runner_matches_transformers_on_a_batch_of_mixed_work(tiny):
     assert (a - hf_logits(hf, PROMPT + [8, 8, 1], len(PROMPT))).abs().max() < 1e-4
     r.keep_logits = True
     p2 = [9, 9, 4, 120, 3]
-    r.execute(StepPlan(0, [NewSeq(1, "a", PROMPT, 11, [0, 1, 2], GREEDY),
+    r.execute(step_plan(0, [NewSeq(1, "a", PROMPT, 11, [0, 1, 2], GREEDY),
                            NewSeq(2, "b", p2, 5, [3, 4], GREEDY)],
-                       [ScheduledSeq(1, 0, 11), ScheduledSeq(2, 0, 5)]))
-    res = r.execute(StepPlan(1, [NewSeq(3, "c", PROMPT[:7], 7, [5, 6], GREEDY)],
-                             [ScheduledSeq(1, 11, 1, [8], block_append=[7]),
-                              ScheduledSeq(3, 0, 7), ScheduledSeq(2, 5, 1, [8])]))
-    assert [s.seq_id for s in res.samples] == [1, 3, 2]      # the plan's order
+                       [Row(1, 0, 11), Row(2, 0, 5)]))
+    res = r.execute(step_plan(1, [NewSeq(3, "c", PROMPT[:7], 7, [5, 6], GREEDY)],
+                             [Row(1, 11, 1, [8], block_append=[7]),
+                              Row(3, 0, 7), Row(2, 5, 1, [8])]))
+    # A one-token row after a chunk runs as a chunk of one; every row answers in plan order.
+    assert len(res.token_ids) == 3 and res.token_ids[0] == r.last_logits[1].argmax().item()
     logits = r.last_logits
     r.keep_logits = False
     r.execute(StepPlan(2, finished_seq_ids=[1, 2, 3]))

@@ -19,14 +19,15 @@ def test_plans_results_and_outputs_round_trip_through_msgpack():
         if isinstance(msg, StepPlan):
             sizes.append(len(data))
             seen["new_seqs"] += len(msg.new_seqs)
-            seen["diffs"] += sum(1 for s in msg.scheduled if s.block_keep >= 0 or s.block_append)
+            seen["diffs"] += sum(1 for keep, blocks in zip(msg.block_keep, msg.block_append)
+                                 if keep >= 0 or blocks)
             seen["swap_out"] += len(msg.swap_out)
             seen["swap_in"] += len(msg.swap_in)
             seen["copy"] += len(msg.copy)
             seen["finished"] += len(msg.finished_seq_ids)
         elif isinstance(msg, StepResult):
-            seen["top"] += sum(1 for s in msg.samples if s.top)
-            seen["prompt_logprobs"] += sum(1 for s in msg.samples if s.prompt_logprobs)
+            seen["top"] += sum(1 for top in msg.top if top)
+            seen["prompt_logprobs"] += sum(1 for lps in msg.prompt_logprobs if lps)
         elif isinstance(msg, RequestOutput):
             seen["outputs"] += 1
         return back

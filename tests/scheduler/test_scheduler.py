@@ -1,6 +1,8 @@
 """Scheduler behaviours against the FakeExecutor (which keeps the plan contract to the letter)."""
 from __future__ import annotations
 
+from collections import namedtuple
+
 import pytest
 
 from services.scheduler.beam_search import beam_score
@@ -10,6 +12,15 @@ from shared.messages import GenerationRequest, SamplingParams, StepResult
 from tests.scheduler.fake_executor import FakeExecutor, candidates, next_token, prompt_logprob
 
 BS = 4
+
+Row = namedtuple("Row", "seq_id num_computed_tokens num_tokens append_token_ids block_keep "
+                        "block_append")
+
+
+def rows(plan) -> list[Row]:
+    """The plan's rows, one record each (the plan itself is columnar)."""
+    return [Row(*r) for r in zip(plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
+                                 plan.append_token_ids, plan.block_keep, plan.block_append)]
 
 
 class Engine:
@@ -101,18 +112,18 @@ def test_decodes_and_prefill_chunks_share_a_step():
     e = Engine(max_num_batched_tokens=16)
     e.add("a", 8, max_tokens=20)
     plan, outs = e.step()
-    assert [(s.num_computed_tokens, s.num_tokens) for s in plan.scheduled] == [(0, 8)]
+    assert [(s.num_computed_tokens, s.num_tokens) for s in rows(plan)] == [(0, 8)]
     assert len(outs) == 1                 # the whole prompt ran: a token was sampled
     e.add("b", list(range(100, 140)), max_tokens=4)
     plan, outs = e.step()
     a_id, b_id = [ns.seq_id for ns in e.plans[0].new_seqs][0], plan.new_seqs[0].seq_id
-    work = {s.seq_id: (s.num_computed_tokens, s.num_tokens) for s in plan.scheduled}
+    work = {s.seq_id: (s.num_computed_tokens, s.num_tokens) for s in rows(plan)}
     assert work == {a_id: (8, 1), b_id: (0, 15)}     # a decode and a 15-token chunk
     assert [o.request_id for o in outs] == ["a"]     # b's chunk did not reach its end
     plan, outs = e.step()
-    assert {s.seq_id: s.num_tokens for s in plan.scheduled} == {a_id: 1, b_id: 15}
+    assert {s.seq_id: s.num_tokens for s in rows(plan)} == {a_id: 1, b_id: 15}
     plan, outs = e.step()
-    assert {s.seq_id: s.num_tokens for s in plan.scheduled} == {a_id: 1, b_id: 10}
+    assert {s.seq_id: s.num_tokens for s in rows(plan)} == {a_id: 1, b_id: 10}
     assert sorted(o.request_id for o in outs) == ["a", "b"]
 
 
@@ -123,13 +134,13 @@ def test_known_sequences_get_diffs_not_their_whole_state():
     assert len(plan.new_seqs) == 1 and len(plan.new_seqs[0].block_table) == 2
     first = outs[0].seqs[0].token_ids
     plan, outs = e.step()                 # position 6: inside block 1, no new block
-    (s,) = plan.scheduled
+    (s,) = rows(plan)
     assert plan.new_seqs == [] and s.append_token_ids == first
     assert (s.block_keep, s.block_append) == (-1, [])
     assert (s.num_computed_tokens, s.num_tokens) == (6, 1)
     plan, outs = e.step()                 # position 7 fills block 1
     plan, outs = e.step()                 # position 8 needs block 2
-    (s,) = plan.scheduled
+    (s,) = rows(plan)
     assert s.block_keep == -1 and len(s.block_append) == 1 and len(s.append_token_ids) == 1
 
 
@@ -365,7 +376,7 @@ def test_identical_prompts_admitted_in_one_step_share_the_blocks_it_computes():
     plan, _ = e.step()
     # Both start in the first step: a computes the prompt, b maps a's 4 whole blocks (its last
     # token must run) and computes only from position 16, reading what a writes in this step.
-    assert [(s.num_computed_tokens, s.num_tokens) for s in plan.scheduled] == [(0, 20), (16, 4)]
+    assert [(s.num_computed_tokens, s.num_tokens) for s in rows(plan)] == [(0, 20), (16, 4)]
     a, b = plan.new_seqs
     assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] != a.block_table[4]
     assert e.sched.stats().gpu_blocks_used == 6
@@ -409,10 +420,10 @@ def test_parallel_sampling_stores_the_prompt_once():
     e = Engine(gpu=64)
     e.add("a", 33, max_tokens=6, n=4)           # fork point 32 = 8 full blocks
     plan, outs = e.step()
-    assert outs == [] and [s.num_tokens for s in plan.scheduled] == [32]
+    assert outs == [] and [s.num_tokens for s in rows(plan)] == [32]
     plan, outs = e.step()
     assert sorted(ns.sample_index for ns in plan.new_seqs) == [1, 2, 3]
-    assert all(s.num_computed_tokens == 32 and s.num_tokens == 1 for s in plan.scheduled)
+    assert all(s.num_computed_tokens == 32 and s.num_tokens == 1 for s in rows(plan))
     assert e.sched.stats().gpu_blocks_used == 8 + 4          # shared prompt + one block each
     assert e.sched.stats().gpu_blocks_logical == 4 * 9
     e.run()
@@ -549,12 +560,12 @@ def test_contiguous_baseline_reserves_max_model_len_for_each_sequence():
         e.add("b", 5, max_tokens=3, beam_width=2)
 
 
-def test_a_sequence_left_without_its_sampled_token_fails_its_request():
+def test_a_result_without_a_token_for_every_sampling_row_fails_the_step():
     e = Engine()
     e.add("a", 5, max_tokens=5)
     plan = e.sched.schedule()
-    (out,) = e.sched.update(plan, StepResult(plan.step_id, samples=[]))
-    assert out.error_code == 500 and "no token" in out.error and out.finished
+    (out,) = e.sched.update(plan, StepResult(plan.step_id))
+    assert out.error_code == 500 and "returned 0 tokens" in out.error and out.finished
     assert not e.sched.has_unfinished() and e.sched.stats().gpu_blocks_used == 0
 
 
@@ -583,12 +594,14 @@ def test_an_abort_while_a_plan_is_in_flight_drops_its_results():
     e.add("a", 5, max_tokens=5)
     e.add("b", 6, max_tokens=5)
     plan = e.sched.schedule()
+    a_id = next(ns.seq_id for ns in plan.new_seqs if ns.request_id == "a")
     result = e.ex.execute(plan)
     assert e.sched.abort_request("a").finished
     outs = e.sched.update(plan, result)
     assert [o.request_id for o in outs] == ["b"]
     plan, _ = e.step()
-    assert plan.finished_seq_ids == [plan.finished_seq_ids[0]] and len(plan.scheduled) == 1
+    assert plan.finished_seq_ids == [a_id] and a_id not in plan.seq_ids
+    assert len(rows(plan)) == 1
     e.run()
     assert e.sched.stats().gpu_blocks_used == 0
 
@@ -615,7 +628,7 @@ def test_aborting_one_sequence_of_n_frees_it_and_the_others_go_on(in_flight):
     assert e.sched.stats().gpu_blocks_used < used                # its own blocks are free
     plan, _ = e.step()
     assert seq_ids[1] in plan.finished_seq_ids
-    assert {s.seq_id for s in plan.scheduled} == {seq_ids[0], seq_ids[2]}
+    assert {s.seq_id for s in rows(plan)} == {seq_ids[0], seq_ids[2]}
     stopped_at = len(e.tokens("a", 1))
     e.run()
     assert len(e.tokens("a", 1)) == stopped_at
