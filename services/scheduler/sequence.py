@@ -72,20 +72,27 @@ class Sequence:
 class SequenceGroup:
     """One request: its live sequences, its place in the queues and its output bookkeeping."""
 
-    __slots__ = ("request_id", "sampling", "arrival_time", "priority", "sort_key",
-                 "prompt_len",
+    __slots__ = ("request", "request_id", "sampling", "arrival_time", "priority", "sort_key",
+                 "prompt_len", "entry_id", "scheduled_at", "first_token_at", "last_token_at",
                  "seqs", "status", "forked", "max_num_seqs", "is_beam", "beam",
                  "num_cached_tokens", "prompt_logprobs", "first_output_sent",
                  "next_sample_index", "stop_ids", "min_len", "max_len")
 
     def __init__(self, request: GenerationRequest, sort_key: tuple) -> None:
         sp: SamplingParams = request.sampling
+        self.request = request
         self.request_id = request.request_id
         self.sampling = sp
         self.arrival_time = request.arrival_time
         self.priority = request.priority
         self.sort_key = sort_key               # queue order: smaller runs first
         self.prompt_len = len(request.prompt_token_ids)
+        # The service's bookkeeping (the core never reads these): the request's entry in the
+        # Redis request stream (acknowledged when it ends) and its timeline, unix seconds.
+        self.entry_id = ""
+        self.scheduled_at = 0.0
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
         self.seqs: list[Sequence] = []         # live sequences; seqs[0] leads the shared prefill
         self.status = SequenceStatus.WAITING
         # n > 1 (and recomputed beam groups): seqs[1:] join by fork once seqs[0] has computed

@@ -14,6 +14,9 @@ Redis (XREADGROUP BLOCK): it never busy-spins.
 
 A request's stream entry is acknowledged only when the request ends, so a crashed
 scheduler's unfinished requests stay pending in the consumer group for another to claim.
+The Redis side is redis_link.py; a request's entry id and timeline live on its
+SequenceGroup. A step that fails fails its own requests (Scheduler.update); only an
+executor that stops answering is "lost", and then every request it ran ends or is re-admitted.
 """
 from __future__ import annotations
 
@@ -29,13 +32,14 @@ import zmq
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
+from services.scheduler.sequence import SequenceGroup
 from shared.control import ExecutorClient
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
-from shared.redis_keys import (CONSUMER_GROUP, FINISHED_OUTPUT_TTL_S, MSG_FIELD, OUTPUT_TTL_S,
-                               RedisKeys)
-from shared.wire import WireError, decode, encode
+from shared.redis_keys import RedisKeys
+from shared.wire import decode, encode
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -65,35 +69,33 @@ class ExecutorLost(RuntimeError):
     pass
 
 
-@dataclass(slots=True)
-class _Timing:
-    arrival: float
-    entry_id: str
-    scheduled: float = 0.0
-    first_token: float = 0.0
-    last_token: float = 0.0
+def _ended(request: GenerationRequest, reason: str, error: str | None = None,
+           error_code: int = 0) -> RequestOutput:
+    """The final output of a request that ends before (or without) running here."""
+    return RequestOutput(request.request_id,
+                         [SeqDelta(i, [], finish_reason=reason)
+                          for i in range(max(1, request.sampling.n))],
+                         finished=True, error=error, error_code=error_code)
 
 
 class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
-        self.keys = RedisKeys(config.redis_prefix)
-        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10,
-                                          socket_connect_timeout=5)
+        self.link = RedisLink(redis.Redis.from_url(config.redis_url, socket_timeout=10,
+                                                   socket_connect_timeout=5),
+                              RedisKeys(config.redis_prefix), config.name)
         self.executor = ExecutorClient(config.executor)
         self.zmq = zmq.Context.instance()
         self.sched: Scheduler | None = None
         self.metrics: SchedulerMetrics | None = None
-        self.timing: dict[str, _Timing] = {}
-        self.admitted: dict[str, GenerationRequest] = {}   # unfinished, by id
+        # Unfinished admitted requests (their groups outlive a core rebuilt after a crash).
+        self.requests: dict[str, SequenceGroup] = {}
         self.degraded: str | None = None                     # why /health should say degraded
         self.recent_aborts: dict[str, float] = {}   # request_id -> when (aborts may precede reads)
-        self.abort_cursor = "0"
         self.pending_outputs: list[RequestOutput] = []
         self.to_ack: list[str] = []
-        self.inbox: list[GenerationRequest] = []
+        self.inbox: list[tuple[str, GenerationRequest]] = []     # (entry id, request)
         self.abort_inbox: list[AbortRequest] = []
-        self.step_id = 0
         self._stop = False
         self._last_beat = 0.0
         self._last_metrics = 0.0
@@ -128,13 +130,6 @@ class SchedulerService:
         log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
                  info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
 
-    def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
     # ------------------------------------------------------------ main loop
     def serve(self) -> None:
         self.connect()
@@ -143,7 +138,7 @@ class SchedulerService:
         gc.collect()
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
-        self._ensure_group()
+        self.link.ensure_group()
         self._reclaim_pending(include_self=True)
         self._beat(force=True)
         while not self._stop:
@@ -155,7 +150,7 @@ class SchedulerService:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("request group vanished (Redis restarted?); recreating it")
-                self._ensure_group()
+                self.link.ensure_group()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Keep running what we have; outputs wait in memory until Redis is back.
                 log.warning("Redis unreachable (%s); retrying", exc)
@@ -179,8 +174,10 @@ class SchedulerService:
         for sock in self.plan_socks:
             sock.send(data, copy=False)
         self._redis_round(block_ms=0)
-        result = self._recv_result(plan.step_id)
-        self.pending_outputs.extend(self.sched.update(plan, result))
+        result = self._recv_result(plan)
+        self._emit(self.sched.update(plan, result))    # a failed step fails its requests
+        if result.error is not None and not self.executor.is_alive(timeout=1.0):
+            raise ExecutorLost(result.error)
         self._apply_inbox()
 
     def stop(self) -> None:
@@ -198,17 +195,18 @@ class SchedulerService:
         self.degraded = f"executor lost: {reason}"
         self._beat(force=True)                                       # /health: degraded
         requeue = []
-        for rid, req in list(self.admitted.items()):
-            t = self.timing.get(rid)
-            if t is not None and t.first_token:
-                n = max(1, req.sampling.n)
-                self.pending_outputs.append(RequestOutput(
-                    rid, [SeqDelta(i, [], finish_reason="error") for i in range(n)], finished=True,
-                    error=f"the executor failed while running this request ({reason}); retry it",
-                    error_code=503))
+        started = []
+        for group in self.requests.values():
+            if group.first_output_sent:
+                started.append(group)
             else:
-                requeue.append(req)
-        self.admitted.clear()
+                requeue.append((group.entry_id, group.request))
+        self.requests = {}
+        for group in started:
+            self.pending_outputs.append(_ended(
+                group.request, "error", f"the executor failed while running this request "
+                f"({reason}); retry it", 503))
+            self.to_ack.append(group.entry_id)
         self._flush_outputs()
         while not self._stop:
             try:
@@ -234,48 +232,40 @@ class SchedulerService:
         A request that had already streamed output ends with an explicit error (its KV
         state is gone); one that never started is simply run here.
         """
-        now = time.time()
-        beats = {k.decode(): float(v) for k, v in self.redis.hgetall(self.keys.schedulers).items()}
-        dead = [name for name, t in beats.items() if name != self.config.name and now - t > 10]
-        try:
-            consumers = [c["name"] for c in self.redis.xinfo_consumers(self.keys.requests,
-                                                                       CONSUMER_GROUP)]
-        except redis.ResponseError:
-            consumers = []
-        consumers = [c.decode() if isinstance(c, bytes) else c for c in consumers]
-        dead += [c for c in consumers if c not in beats and c != self.config.name]
+        dead = self.link.dead_schedulers(time.time())
         for name in ([self.config.name] if include_self else []) + dead:
-            pending = self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, "-", "+",
-                                                10_000, consumername=name)
-            ids = [p["message_id"] for p in pending]
-            if name != self.config.name:
-                if ids:
-                    self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.config.name, 0, ids)
-                self.redis.xgroup_delconsumer(self.keys.requests, CONSUMER_GROUP, name)
-                self.redis.hdel(self.keys.schedulers, name)
-            if not ids:
+            inbound = self.link.take_pending(name)
+            if not inbound.requests and not inbound.malformed:
                 continue
-            entries = self.redis.xrange(self.keys.requests, ids[0], ids[-1])
-            wanted = {i if isinstance(i, bytes) else i.encode() for i in ids}
-            taken = [(eid, f) for eid, f in entries
-                     if (eid if isinstance(eid, bytes) else eid.encode()) in wanted]
-            started = self._take_requests([(self.keys.requests, taken)], check_started=True)
+            self.to_ack += inbound.malformed
+            started = 0
+            for eid, req in inbound.requests:
+                if self.link.has_output(req.request_id):
+                    started += 1
+                    self.pending_outputs.append(_ended(
+                        req, "error", "the scheduler running this request stopped; retry it",
+                        503))
+                    self.to_ack.append(eid)
+                else:
+                    self.inbox.append((eid, req))
             log.warning("reclaimed %d pending requests of %s (%d had started and were failed)",
-                        len(taken), name, started)
+                        len(inbound.requests), name, started)
         self._flush_outputs()
 
-    def _recv_result(self, step_id: int) -> StepResult:
+    def _recv_result(self, plan: StepPlan) -> StepResult:
+        """The result answering `plan`. A result of another step is stale and dropped, except
+        a failure with no step id (the executor could not read the plan in flight)."""
         deadline_check = time.monotonic() + self.config.executor_timeout_s
         while True:
             if self.result_sock.poll(100):
                 result = decode(self.result_sock.recv(), StepResult)
-                if result.step_id != step_id:
-                    log.warning("discarding result of step %d (waiting for %d)",
-                                result.step_id, step_id)
-                    continue
-                if result.error:
-                    raise ExecutorLost(result.error)
-                return result
+                if result.step_id == plan.step_id:
+                    return result
+                if result.error is not None and result.step_id < 0:
+                    return StepResult(plan.step_id, error=result.error)
+                log.warning("discarding result of step %d (waiting for %d)%s", result.step_id,
+                            plan.step_id, f": {result.error}" if result.error else "")
+                continue
             if time.monotonic() > deadline_check:
                 # A long forward is fine as long as the executor still answers health checks.
                 if not self.executor.is_alive(timeout=1.0):
@@ -285,10 +275,10 @@ class SchedulerService:
     def _note_scheduled(self, plan: StepPlan) -> None:
         now = time.time()
         for seq in plan.new_seqs:
-            t = self.timing.get(seq.request_id)
-            if t is not None and not t.scheduled:
-                t.scheduled = now
-                self.metrics.queue.observe(max(0.0, now - t.arrival))
+            group = self.requests.get(seq.request_id)
+            if group is not None and not group.scheduled_at:
+                group.scheduled_at = now
+                self.metrics.queue.observe(max(0.0, now - group.arrival_time))
 
     # ------------------------------------------------------------ Redis
     def _redis_round(self, block_ms: int, read: bool = True) -> None:
@@ -299,114 +289,47 @@ class SchedulerService:
         """
         outputs = list(self.pending_outputs)
         acks = list(self.to_ack)
-        pipe = self.redis.pipeline(transaction=False)
-        for out in outputs:
-            key = self.keys.output(out.request_id)
-            pipe.xadd(key, {MSG_FIELD: encode(out)})
-            pipe.expire(key, FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S)
-            t = self.timing.get(out.request_id)
-            if out.finished and t is not None:
-                acks.append(t.entry_id)
-        if acks:
-            # A finished request's entry is not needed any more: deleting it keeps the
-            # request stream as long as the unfinished work (the group's lag stays exact:
-            # only entries before its last-delivered id are deleted).
-            pipe.xack(self.keys.requests, CONSUMER_GROUP, *acks)
-            pipe.xdel(self.keys.requests, *acks)
-        self._beat(pipe=pipe, force=any(o.finished for o in outputs))
-        want = self._read_count()
-        if read:
-            pipe.xread({self.keys.aborts: self.abort_cursor}, count=1000)
-            if want:
-                pipe.xreadgroup(CONSUMER_GROUP, self.config.name, {self.keys.requests: ">"},
-                                count=want)
+        want = self._read_count() if read else 0
         try:
-            replies = pipe.execute()
+            inbound = self.link.round(outputs, acks, self._heartbeat(any(o.finished
+                                                                         for o in outputs)),
+                                      read, want)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("Redis unreachable (%s); %d outputs held", exc, len(outputs))
             time.sleep(max(block_ms, 100) / 1000)
             return
         del self.pending_outputs[:len(outputs)]
-        self.to_ack = []
-        now = time.time()
-        for out in outputs:
-            self._observe(out, now)
-            if out.finished:
-                self.admitted.pop(out.request_id, None)
-                self.timing.pop(out.request_id, None)
-        if not read:
-            return
-        if not want:
-            self._take_aborts(replies[-1])
-            return
-        self._take_aborts(replies[-2])
-        got = self._take_requests(replies[-1])
-        if not got and block_ms and not self.sched.has_unfinished():
-            reply = self.redis.xreadgroup(CONSUMER_GROUP, self.config.name,
-                                          {self.keys.requests: ">"}, count=want, block=block_ms)
-            self._take_requests(reply)
+        del self.to_ack[:len(acks)]
+        self._take(inbound)
+        if read and want and not inbound.requests and block_ms and not self.sched.has_unfinished():
+            self._take(self.link.wait_for_requests(want, block_ms))
+
+    def _take(self, inbound: Inbound) -> None:
+        self.abort_inbox += inbound.aborts
+        self.inbox += inbound.requests
+        self.to_ack += inbound.malformed
 
     def _read_count(self) -> int:
-        held = len(self.admitted) + len(self.inbox)
+        held = len(self.requests) + len(self.inbox)
         room = self.config.core.max_num_seqs + self.config.read_headroom - held
         return max(0, min(self.config.read_batch, room))
 
-    def _beat(self, pipe=None, force: bool = False) -> None:
+    def _heartbeat(self, force: bool = False) -> Heartbeat | None:
         """Heartbeat (1 s) and metrics snapshot (0.2 s, or at once when a request ended)."""
         now = time.time()
-        target = pipe if pipe is not None else self.redis
-        if force or now - self._last_beat >= 1.0:
-            self._last_beat = now
-            target.hset(self.keys.schedulers, self.config.name, f"{now:.3f}")
-            if self.degraded:
-                target.hset(self.keys.degraded, self.config.name, self.degraded)
-            else:
-                target.hdel(self.keys.degraded, self.config.name)
+        metrics = None
         if self.metrics is not None and (force or now - self._last_metrics >= 0.2):
             self._last_metrics = now
-            target.set(self.keys.metrics(self.config.name), self.metrics.exposition(), ex=15)
+            metrics = self.metrics.exposition()
+        if not (force or metrics is not None or now - self._last_beat >= 1.0):
+            return None
+        self._last_beat = now
+        return Heartbeat(now, self.degraded, metrics)
 
-    def _take_aborts(self, reply) -> None:
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self.abort_cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                try:
-                    self.abort_inbox.append(decode(fields[MSG_FIELD], AbortRequest))
-                except (WireError, KeyError):
-                    log.warning("ignoring malformed abort %s", self.abort_cursor)
-
-    def _take_requests(self, reply, check_started: bool = False) -> int:
-        """Queue newly read request entries; returns how many (or, when reclaiming, how many
-        had already started elsewhere and were failed)."""
-        got = failed = 0
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                got += 1
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                try:
-                    req = decode(fields[MSG_FIELD], GenerationRequest)
-                except (WireError, KeyError) as exc:
-                    log.warning("dropping malformed request entry %s: %s", eid, exc)
-                    self.to_ack.append(eid)
-                    continue
-                self.timing[req.request_id] = _Timing(arrival=req.arrival_time or time.time(),
-                                                      entry_id=eid)
-                if check_started and self._has_output(req.request_id):
-                    failed += 1
-                    n = max(1, req.sampling.n)
-                    self.pending_outputs.append(RequestOutput(
-                        req.request_id, [SeqDelta(i, [], finish_reason="error") for i in range(n)],
-                        finished=True, error="the scheduler running this request stopped; retry it",
-                        error_code=503))
-                    continue
-                self.inbox.append(req)
-        return failed if check_started else got
-
-    def _has_output(self, request_id: str) -> bool:
-        """Did any scheduler publish output for this request? (The gateway's header entry
-        in the same stream does not count.)"""
-        entries = self.redis.xrange(self.keys.output(request_id), count=4)
-        return any(MSG_FIELD in fields for _eid, fields in entries)
+    def _beat(self, force: bool = False) -> None:
+        beat = self._heartbeat(force)
+        if beat is not None:
+            self.link.beat(beat)
 
     def _apply_inbox(self) -> None:
         now = time.time()
@@ -414,47 +337,59 @@ class SchedulerService:
             if ab.index >= 0:           # one sequence (its choice ended at a stop string)
                 out = self.sched.abort_seq(ab.request_id, ab.index, ab.reason)
                 if out is not None:
-                    self.pending_outputs.append(out)
+                    self._emit([out])
                 continue
             self.recent_aborts[ab.request_id] = now
             out = self.sched.abort_request(ab.request_id, ab.reason)
             if out is not None:
-                out.finished = True
-                self.pending_outputs.append(out)
+                self._emit([out])
         self.abort_inbox = []
-        for req in self.inbox:
+        for eid, req in self.inbox:
             if req.request_id in self.recent_aborts:
-                self.pending_outputs.append(RequestOutput(
-                    req.request_id, [SeqDelta(i, [], finish_reason="abort")
-                                     for i in range(max(1, req.sampling.n))], finished=True))
+                self.pending_outputs.append(_ended(req, "abort"))
+                self.to_ack.append(eid)
                 continue
             try:
                 self.sched.add_request(req)
-                self.admitted[req.request_id] = req
             except AdmissionError as exc:
                 self.pending_outputs.append(RequestOutput(
                     req.request_id, [], finished=True, error=str(exc), error_code=400))
+                self.to_ack.append(eid)
+                continue
+            group = self.sched.groups[req.request_id]
+            group.entry_id = eid
+            group.arrival_time = req.arrival_time or now
+            self.requests[req.request_id] = group
         self.inbox = []
         if len(self.recent_aborts) > 10_000:
             cutoff = now - 600
             self.recent_aborts = {k: v for k, v in self.recent_aborts.items() if v > cutoff}
 
-    def _observe(self, out: RequestOutput, now: float) -> None:
-        t = self.timing.get(out.request_id)
-        if t is None:
-            return
-        new = sum(len(s.token_ids) for s in out.seqs)
-        if new:
-            if not t.first_token:
-                t.first_token = now
-                self.metrics.ttft.observe(max(0.0, now - t.arrival))
-            elif t.last_token:
-                gap = (now - t.last_token) / new
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Queue outputs for the next round; observe the request timeline; an ended request's
+        stream entry is acknowledged in the same round as its last output."""
+        now = time.time()
+        for out in outputs:
+            self.pending_outputs.append(out)
+            group = (self.requests.pop(out.request_id, None) if out.finished
+                     else self.requests.get(out.request_id))
+            if group is None:
+                continue
+            if out.finished:
+                self.to_ack.append(group.entry_id)
+                if out.error is None:
+                    self.metrics.e2e.observe(max(0.0, now - group.arrival_time))
+            new = sum(len(s.token_ids) for s in out.seqs)
+            if not new:
+                continue
+            if not group.first_token_at:
+                group.first_token_at = now
+                self.metrics.ttft.observe(max(0.0, now - group.arrival_time))
+            elif group.last_token_at:
+                gap = (now - group.last_token_at) / new
                 for _ in range(new):
                     self.metrics.itl.observe(gap)
-            t.last_token = now
-        if out.finished and out.error is None:
-            self.metrics.e2e.observe(max(0.0, now - t.arrival))
+            group.last_token_at = now
 
 
 def run(config: SchedulerServiceConfig) -> None:

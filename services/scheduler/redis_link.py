@@ -1,0 +1,178 @@
+"""The scheduler's link to Redis: one pipelined round trip per iteration, typed batches.
+
+    round(outputs, acks, heartbeat, want)
+      out   RequestOutputs          XADD {prefix}:out:{id}, EXPIRE
+            acks of ended requests  XACK + XDEL of their request-stream entries
+            Heartbeat               HSET/HDEL of the liveness and health hashes, SET metrics
+      in    Inbound                 new requests (XREADGROUP, at most `want`), aborts (XREAD)
+
+Every command queued on the pipeline is queued with the handler of its reply, so replies are
+never read by a position that depends on what was asked. Key names: shared/redis_keys.py.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+
+from shared.messages import AbortRequest, GenerationRequest, RequestOutput
+from shared.redis_keys import (CONSUMER_GROUP, FINISHED_OUTPUT_TTL_S, MSG_FIELD, OUTPUT_TTL_S,
+                               RedisKeys)
+from shared.wire import WireError, decode, encode
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass(slots=True)
+class Inbound:
+    """What one round read."""
+
+    requests: list[tuple[str, GenerationRequest]] = field(default_factory=list)  # (entry id, _)
+    malformed: list[str] = field(default_factory=list)    # request entry ids to acknowledge
+    aborts: list[AbortRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """This scheduler's liveness (unix seconds), health and metrics, written in a round."""
+
+    now: float
+    degraded: str | None = None          # why /health should say degraded; None: healthy
+    metrics: bytes | None = None         # Prometheus exposition, kept 15 s
+
+
+def _str(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+class RedisLink:
+    def __init__(self, client: redis.Redis, keys: RedisKeys, name: str) -> None:
+        self.redis = client
+        self.keys = keys
+        self.name = name                 # this scheduler's consumer name
+        self.abort_cursor = "0"          # every scheduler reads every abort
+
+    def ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def round(self, outputs: list[RequestOutput], acks: list[str], beat: Heartbeat | None,
+              read: bool = True, want: int = 0) -> Inbound:
+        """Publish, acknowledge, beat, then (when `read`) read aborts and up to `want` new
+        requests, in one round trip. Raises redis.ConnectionError / TimeoutError when Redis
+        is unreachable: then nothing was taken, and the caller keeps its outputs and acks."""
+        pipe = self.redis.pipeline(transaction=False)
+        handlers: list[Callable | None] = []
+
+        def queue(command: Callable, *args, handler: Callable | None = None, **kw) -> None:
+            command(*args, **kw)
+            handlers.append(handler)
+
+        for out in outputs:
+            key = self.keys.output(out.request_id)
+            queue(pipe.xadd, key, {MSG_FIELD: encode(out)})
+            queue(pipe.expire, key, FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S)
+        if acks:
+            # An ended request's entry is not needed any more: deleting it keeps the request
+            # stream as long as the unfinished work (the group's lag stays exact: only entries
+            # before its last-delivered id are deleted).
+            queue(pipe.xack, self.keys.requests, CONSUMER_GROUP, *acks)
+            queue(pipe.xdel, self.keys.requests, *acks)
+        if beat is not None:
+            self._queue_beat(queue, pipe, beat)
+        inbound = Inbound()
+        if read:
+            queue(pipe.xread, {self.keys.aborts: self.abort_cursor}, count=1000,
+                  handler=self._take_aborts)
+            if want:
+                queue(pipe.xreadgroup, CONSUMER_GROUP, self.name, {self.keys.requests: ">"},
+                      count=want, handler=self._take_requests)
+        for handler, reply in zip(handlers, pipe.execute()):
+            if handler is not None:
+                handler(reply, inbound)
+        return inbound
+
+    def wait_for_requests(self, want: int, block_ms: int) -> Inbound:
+        """Block up to `block_ms` for new requests (the loop's idle wait: no busy spin)."""
+        inbound = Inbound()
+        self._take_requests(self.redis.xreadgroup(CONSUMER_GROUP, self.name,
+                                                  {self.keys.requests: ">"}, count=want,
+                                                  block=block_ms), inbound)
+        return inbound
+
+    def beat(self, beat: Heartbeat) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self._queue_beat(lambda command, *a, **kw: command(*a, **kw), pipe, beat)
+        pipe.execute()
+
+    def _queue_beat(self, queue: Callable, pipe, beat: Heartbeat) -> None:
+        queue(pipe.hset, self.keys.schedulers, self.name, f"{beat.now:.3f}")
+        if beat.degraded:
+            queue(pipe.hset, self.keys.degraded, self.name, beat.degraded)
+        else:
+            queue(pipe.hdel, self.keys.degraded, self.name)
+        if beat.metrics is not None:
+            queue(pipe.set, self.keys.metrics(self.name), beat.metrics, ex=15)
+
+    # ------------------------------------------------------------ taking over
+    def dead_schedulers(self, now: float, silent_s: float = 10.0) -> list[str]:
+        """Consumers whose heartbeat is older than `silent_s`, or that never beat."""
+        beats = {_str(k): float(v) for k, v in self.redis.hgetall(self.keys.schedulers).items()}
+        dead = [n for n, t in beats.items() if n != self.name and now - t > silent_s]
+        try:
+            consumers = [_str(c["name"]) for c in self.redis.xinfo_consumers(
+                self.keys.requests, CONSUMER_GROUP)]
+        except redis.ResponseError:
+            consumers = []
+        return dead + [c for c in consumers if c not in beats and c != self.name]
+
+    def take_pending(self, name: str) -> Inbound:
+        """The requests `name` read and never acknowledged, now this scheduler's (a dead
+        consumer is removed from the group and from the heartbeats)."""
+        pending = self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, "-", "+",
+                                            10_000, consumername=name)
+        ids = [p["message_id"] for p in pending]
+        if name != self.name:
+            if ids:
+                self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.name, 0, ids)
+            self.redis.xgroup_delconsumer(self.keys.requests, CONSUMER_GROUP, name)
+            self.redis.hdel(self.keys.schedulers, name)
+        inbound = Inbound()
+        if ids:
+            wanted = {_str(i) for i in ids}
+            entries = self.redis.xrange(self.keys.requests, ids[0], ids[-1])
+            self._take_requests([(self.keys.requests,
+                                  [(e, f) for e, f in entries if _str(e) in wanted])], inbound)
+        return inbound
+
+    def has_output(self, request_id: str) -> bool:
+        """Did any scheduler publish output for this request? (The gateway's header entry in
+        the same stream does not count.)"""
+        entries = self.redis.xrange(self.keys.output(request_id), count=4)
+        return any(MSG_FIELD in fields for _eid, fields in entries)
+
+    # ------------------------------------------------------------ replies
+    def _take_aborts(self, reply, inbound: Inbound) -> None:
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self.abort_cursor = _str(entry_id)
+                try:
+                    inbound.aborts.append(decode(fields[MSG_FIELD], AbortRequest))
+                except (WireError, KeyError):
+                    log.warning("ignoring malformed abort %s", self.abort_cursor)
+
+    @staticmethod
+    def _take_requests(reply, inbound: Inbound) -> None:
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                eid = _str(entry_id)
+                try:
+                    inbound.requests.append((eid, decode(fields[MSG_FIELD], GenerationRequest)))
+                except (WireError, KeyError) as exc:
+                    log.warning("dropping malformed request entry %s: %s", eid, exc)
+                    inbound.malformed.append(eid)
