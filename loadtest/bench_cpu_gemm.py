@@ -24,16 +24,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.llama import FP32_GEMMS, _fp32_gemm, _fp32_gemm_ok  # noqa: E402
+from services.executor.cpu_gemm import FP32_GEMMS, packed_gemm, usable_gemms  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
 def libraries(weights: list[torch.Tensor]) -> dict[str, list]:
-    """For each packed fp32 GEMM that works here (as the runner checks it): one `run(x)`
-    per weight, packed as the runner packs it."""
-    return {gemm: [_fp32_gemm(gemm, w)[1] for w in weights]
-            for gemm in FP32_GEMMS if _fp32_gemm_ok(gemm)}
+    """For each packed fp32 GEMM usable here (available and correct, as the runner checks
+    it): one `run(x)` per weight, packed as the runner packs it."""
+    return {gemm: [packed_gemm(gemm, w)[1] for w in weights] for gemm in usable_gemms()}
 
 
 def main() -> None:

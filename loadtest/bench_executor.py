@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.llama import FP32_GEMMS, _fp32_gemm, _fp32_gemm_ok  # noqa: E402
+from services.executor.cpu_gemm import packed_gemm, usable_gemms  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from shared.messages import NewSeq, SamplingParams, StepPlan  # noqa: E402
@@ -196,15 +196,14 @@ def bench_hf(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tok
 
 def sgemm_flops(n: int = 4096, reps: int = 5) -> dict[str, float]:
     """FLOP/s of one n x n x n fp32 product by torch's BLAS (`a @ b`: MKL) and by each
-    packed fp32 GEMM the engine can pick here (llama.FP32_GEMMS: its own AVX-512 kernel,
+    packed fp32 GEMM the engine can pick here (cpu_gemm.FP32_GEMMS: its own AVX-512 kernel,
     MKL's packed sgemm, oneDNN). The roofline takes the fastest: which one wins depends on
     the CPU (MKL is slower on AMD)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     runs = {"blas": lambda: a @ b}
-    for gemm in FP32_GEMMS:
-        if _fp32_gemm_ok(gemm):
-            run = _fp32_gemm(gemm, b)[1]
-            runs[gemm] = lambda run=run: run(a)
+    for gemm in usable_gemms():
+        run = packed_gemm(gemm, b)[1]
+        runs[gemm] = lambda run=run: run(a)
     out = {}
     for name, run in runs.items():
         run()

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +24,7 @@ import torch.nn.functional as F
 
 from services.executor import cpu_kernels
 from services.executor.attention import AttentionMetadata, paged_attention, write_kv
+from services.executor.cpu_gemm import packed_gemm, pick_fp32_gemm
 from services.executor.parallel import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -295,13 +293,10 @@ class LlamaModel:
 
     def pack_for_cpu(self) -> bool:
         """Pack every projection once into the GEMM library's own layout, instead of letting
-        it reorder the weight on every call. bf16 goes through oneDNN (3x for the LM head of
-        a single decode, 1.1x at prefill sizes). fp32 goes through whichever of the engine's
-        own AVX-512 GEMM (cpu_kernels.c), MKL's packed sgemm and oneDNN is fastest on this
-        CPU for this model's weights, timed here (see `_pick_fp32_gemm`). Measured: the
-        AVX-512 kernel on an Intel Xeon (1.5-1.7x oneDNN at the 64 rows of decode steps, on
-        weights that come from memory); oneDNN on AMD Zen 5 (2.3x MKL, which takes a slower
-        code path on CPUs not made by Intel).
+        it reorder the weight on every call. bf16 goes through oneDNN. fp32 goes through
+        whichever of the engine's own AVX-512 GEMM, MKL's packed sgemm and oneDNN is usable
+        and fastest on this CPU for this model's weights (cpu_gemm.py; docs/executor.md
+        gives their speeds by row count).
 
         The original weights give way to zero-stride stand-ins of the same shape (the packed
         ops read only their shape), so memory stays at one copy. Returns False, changing
@@ -311,10 +306,10 @@ class LlamaModel:
             return False
         if self.dtype == torch.float32:
             sample = max((lin.weight for lin in self.linears()[:4]), key=lambda w: w.numel())
-            gemm = _pick_fp32_gemm(sample)
+            gemm = pick_fp32_gemm(sample)
             if gemm is None:
                 return False
-            pack = lambda w: _fp32_gemm(gemm, w)[0]  # noqa: E731
+            pack = lambda w: packed_gemm(gemm, w)[0]  # noqa: E731
         elif self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             gemm, pack = "onednn", torch.ops.mkldnn._reorder_linear_weight
         else:
@@ -334,94 +329,6 @@ class LlamaModel:
             if lin.weight is not self.embed:
                 lin.weight = torch.zeros((), dtype=w.dtype).expand(w.shape)
         return True
-
-
-FP32_GEMMS = ("avx512", "mkl", "onednn")
-
-
-def _pick_fp32_gemm(weight: torch.Tensor) -> str | None:
-    """The packed fp32 GEMM to use: "avx512", "mkl", "onednn", or None (plain F.linear).
-
-    PAGEDSERVE_CPU_GEMM=avx512|mkl|onednn forces one (when it works here); by default each
-    is timed on `weight` (the largest projection of the first layer) at 64 and 512 rows, the
-    sizes of decode and prefill steps, with the weight coming from memory, on this
-    process's threads (about 0.4 s at start), and the one with the lowest time per row,
-    summed over the two sizes, wins."""
-    usable = [g for g in FP32_GEMMS if _fp32_gemm_ok(g)]
-    forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
-    if forced in FP32_GEMMS:
-        if forced not in usable:
-            log.warning("PAGEDSERVE_CPU_GEMM=%s does not work here; using %s", forced,
-                        usable[0] if usable else "the plain GEMM")
-        else:
-            return forced
-    if len(usable) < 2:
-        return usable[0] if usable else None
-    evict = torch.ones(EVICT_BYTES // 4)
-    cost = {g: _time_packed_gemm(g, weight, evict) for g in usable}
-    del evict
-    best = min(cost, key=cost.get)
-    log.info("fp32 GEMM: %s (per row at 64 + at 512 rows: %s)", best,
-             ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
-    return best
-
-
-def _fp32_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None):
-    """(packed weight, run) of one packed fp32 GEMM; run(x) = x W^T + b. (Linear.__call__
-    makes the same calls on its hot path without the closure.)"""
-    if gemm == "avx512":
-        packed = cpu_kernels.pack_linear(w)
-        return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
-    if gemm == "mkl":
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
-        return packed, lambda x: torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return packed, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-
-
-def _fp32_gemm_ok(gemm: str) -> bool:
-    """True when this packed GEMM exists here and gives F.linear's result, also for row
-    counts other than the one it was packed for (MKL's packed layout is M-independent in
-    MKL 2024)."""
-    if gemm == "onednn" and not torch.backends.mkldnn.is_available():
-        return False
-    if gemm == "avx512" and not cpu_kernels.linear_available():
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
-        _, run = _fp32_gemm(gemm, w, b)
-        return all(torch.allclose(run(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-                   for x in (torch.randn(m, 80, generator=g) for m in (1, 7, 300)))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# Bytes read between timed products so that the weight comes from memory, as it does in a
-# decode step (every weight of the model is read once per step): more than this machine's
-# last-level cache share (caches stopped helping reads at 128-256 MiB on the 2-core Xeon).
-EVICT_BYTES = 256 << 20
-
-
-def _time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
-    """Seconds per row of one product of 64 rows plus per row of one of 512 rows (medians
-    of 3), each with the weight evicted from the caches first by reading `evict`: a decode
-    row and a prefill row weigh the same. (With the weight in cache, the ranking at 64
-    rows differs: on the 2-core Xeon oneDNN lost 1.3x in cache but 1.5x from memory.)"""
-    _, run = _fp32_gemm(gemm, w)
-    total = 0.0
-    with torch.inference_mode():
-        for m in (64, 512):
-            x = torch.randn(m, w.shape[1], dtype=w.dtype)
-            run(x)
-            times = []
-            for _ in range(3):
-                evict.sum()
-                t0 = time.perf_counter()
-                run(x)
-                times.append(time.perf_counter() - t0)
-            total += statistics.median(times) / m
-    return total
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -86,3 +86,22 @@ def test_bad_arguments_are_refused():
         cpu_kernels.pack_linear(torch.randn(7, 4), glu=True)
     with pytest.raises(TypeError, match="fp32"):
         cpu_kernels.linear(torch.randn(2, 4, dtype=torch.bfloat16), packed, 8, glu=True)
+
+
+def test_a_gemm_that_computes_wrong_products_is_never_picked(monkeypatch, caplog):
+    """Available and correct are told apart: a GEMM that runs but is wrong is left out (and
+    logged), even when PAGEDSERVE_CPU_GEMM asks for it."""
+    from services.executor import cpu_gemm
+
+    real = cpu_gemm.packed_gemm
+
+    def off_by_one(gemm, w, b=None):
+        packed, run = real(gemm, w, b)
+        return packed, lambda x: run(x) + 1.0
+
+    monkeypatch.setattr(cpu_gemm, "packed_gemm", off_by_one)
+    assert cpu_gemm.gemm_available("avx512") and not cpu_gemm.gemm_correct("avx512")
+    assert cpu_gemm.usable_gemms() == []
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "avx512")
+    assert cpu_gemm.pick_fp32_gemm(torch.randn(64, 32)) is None
+    assert "gives wrong products" in caplog.text

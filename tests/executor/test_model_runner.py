@@ -238,11 +238,13 @@ def test_torch_ops_path_matches_transformers_too(tiny_llama, monkeypatch):
 @pytest.mark.parametrize("gemm", ["avx512", "mkl", "onednn"])
 def test_each_packed_fp32_gemm_matches_transformers(tiny_llama, monkeypatch, gemm):
     """fp32 weights are packed for the engine's AVX-512 GEMM, MKL or oneDNN, whichever is
-    fastest on this CPU: each gives transformers' logits (PAGEDSERVE_CPU_GEMM forces one)."""
-    from services.executor import llama
+    fastest on this CPU: each gives transformers' logits (PAGEDSERVE_CPU_GEMM forces one).
+    Only a GEMM this machine lacks is skipped; one that is there and wrong fails."""
+    from services.executor import cpu_gemm
 
-    if not llama._fp32_gemm_ok(gemm):
+    if not cpu_gemm.gemm_available(gemm):
         pytest.skip(f"no packed fp32 {gemm} GEMM here (torch build or CPU)")
+    assert cpu_gemm.gemm_correct(gemm), f"the packed fp32 {gemm} GEMM gives wrong products"
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", gemm)
     folder, hf = tiny_llama
     r = tiny_runner(folder)

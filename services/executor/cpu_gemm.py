@@ -1,0 +1,139 @@
+"""Which packed fp32 GEMM runs the projections on this CPU, and how each is called.
+
+Three candidates, each with its own packed weight layout, packed once at load:
+
+    "avx512"   the engine's own kernel (cpu_kernels.c): needs a C compiler and AVX-512
+    "mkl"      MKL's packed sgemm (torch.ops.mkl._mkl_linear)
+    "onednn"   oneDNN's matmul (torch.ops.mkldnn._linear_pointwise)
+
+A candidate is *available* when this torch build and CPU can run it, and *correct* when it
+gives F.linear's result; only an available and correct one is ever used. Which correct one
+is fastest depends on the CPU, so the executor times them at start on the model's own
+weights (`pick_fp32_gemm`); docs/executor.md reports them by row count
+(loadtest/bench_cpu_gemm.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from services.executor import cpu_kernels
+
+log = logging.getLogger(__name__)
+
+FP32_GEMMS = ("avx512", "mkl", "onednn")
+
+# Bytes read between timed products so that the weight comes from memory, as in a decode
+# step (which reads every weight of the model once): more than a core's share of a
+# last-level cache, so that the ranking is the one of the real step (docs/executor.md).
+EVICT_BYTES = 256 << 20
+
+
+def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """(packed weight, run) of one packed fp32 GEMM; run(x) = x W^T + b. (Linear.__call__
+    in llama.py makes the same calls on its hot path, without the closure.)"""
+    if gemm == "avx512":
+        packed = cpu_kernels.pack_linear(w)
+        return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
+    if gemm == "mkl":
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+        return packed, lambda x: torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return packed, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def _probe(gemm: str) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    return w, b, packed_gemm(gemm, w, b)[1]
+
+
+def gemm_available(gemm: str) -> bool:
+    """This torch build and CPU can run the GEMM (its library is there and a product runs)."""
+    if gemm == "onednn" and not torch.backends.mkldnn.is_available():
+        return False
+    if gemm == "avx512" and not cpu_kernels.linear_available():
+        return False
+    try:
+        _, _, run = _probe(gemm)
+        run(torch.ones(2, 80))
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def gemm_correct(gemm: str) -> bool:
+    """The (available) GEMM gives F.linear's result, also for row counts other than the one
+    it was packed for (MKL's packed layout is independent of M)."""
+    w, b, run = _probe(gemm)
+    g = torch.Generator().manual_seed(1)
+    return all(torch.allclose(run(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+               for x in (torch.randn(m, 80, generator=g) for m in (1, 7, 300)))
+
+
+def usable_gemms() -> list[str]:
+    """The GEMMs that are available here and correct. An available one that computes a wrong
+    product is logged as an error and left out."""
+    usable = []
+    for gemm in FP32_GEMMS:
+        if not gemm_available(gemm):
+            continue
+        if gemm_correct(gemm):
+            usable.append(gemm)
+        else:
+            log.error("the packed fp32 %s GEMM gives wrong products on this machine: not used",
+                      gemm)
+    return usable
+
+
+def pick_fp32_gemm(weight: torch.Tensor) -> str | None:
+    """The packed fp32 GEMM to use: "avx512", "mkl", "onednn", or None (plain F.linear).
+
+    PAGEDSERVE_CPU_GEMM=avx512|mkl|onednn forces one (when it is usable here); by default
+    each is timed on `weight` (the largest projection of the first layer) at 64 and 512 rows,
+    the sizes of decode and prefill steps, with the weight coming from memory, on this
+    process's threads (about 0.4 s at start), and the one with the lowest time per row,
+    summed over the two sizes, wins."""
+    usable = usable_gemms()
+    forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
+    if forced in FP32_GEMMS:
+        if forced in usable:
+            return forced
+        log.warning("PAGEDSERVE_CPU_GEMM=%s is not usable here; using %s", forced,
+                    usable[0] if usable else "the plain GEMM")
+    if len(usable) < 2:
+        return usable[0] if usable else None
+    evict = torch.ones(EVICT_BYTES // 4)
+    cost = {g: time_packed_gemm(g, weight, evict) for g in usable}
+    del evict
+    best = min(cost, key=cost.get)
+    log.info("fp32 GEMM: %s (per row at 64 + at 512 rows: %s)", best,
+             ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
+    return best
+
+
+def time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
+    """Seconds per row of one product of 64 rows plus per row of one of 512 rows (medians
+    of 3), each with the weight evicted from the caches first by reading `evict`: a decode
+    row and a prefill row weigh the same, and the weight comes from memory as in a step."""
+    _, run = packed_gemm(gemm, w)
+    total = 0.0
+    with torch.inference_mode():
+        for m in (64, 512):
+            x = torch.randn(m, w.shape[1], dtype=w.dtype)
+            run(x)
+            times = []
+            for _ in range(3):
+                evict.sum()
+                t0 = time.perf_counter()
+                run(x)
+                times.append(time.perf_counter() - t0)
+            total += statistics.median(times) / m
+    return total
