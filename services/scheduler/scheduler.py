@@ -71,7 +71,6 @@ class Scheduler:
         self._step_id = 0
         self._next_seq_id = 0
         self._next_order = 0
-        self._stop_sets: dict[frozenset[int], frozenset[int]] = {}   # interned stop-id sets
         # Per schedule(): a group was preempted for blocks (then nothing is swapped in or
         # admitted), and the admission bound of priority preemption (only groups that sort
         # before it are admitted this step; its victims are being dropped in this plan).
@@ -101,13 +100,6 @@ class Scheduler:
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
-        # NOTE: requests nearly all carry the same stop ids (the model's EOS): one shared set
-        # stays in the cache, where one set per request is a cache miss per sampled token.
-        stops = self._stop_sets.get(group.stop_ids)
-        if stops is not None:
-            group.stop_ids = stops
-        elif len(self._stop_sets) < 1024:
-            self._stop_sets[group.stop_ids] = group.stop_ids
         for _ in range(1 if group.is_beam else sp.n):
             group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
         if group.is_beam:

@@ -16,6 +16,19 @@ from enum import IntEnum
 from shared.messages import GenerationRequest, SamplingParams, TokenLogprob
 
 
+# NOTE: requests nearly all carry the same stop ids (the model's EOS): one shared set stays
+# in the cache, where one set per request is a cache miss per sampled token.
+_STOP_SETS: dict[frozenset[int], frozenset[int]] = {}
+
+
+def _shared_stop_ids(stop_token_ids: list[int]) -> frozenset[int]:
+    stops = frozenset(stop_token_ids)
+    shared = _STOP_SETS.get(stops)
+    if shared is None and len(_STOP_SETS) < 1024:
+        shared = _STOP_SETS[stops] = stops
+    return stops if shared is None else shared
+
+
 class SequenceStatus(IntEnum):
     WAITING = 0      # not admitted yet, or preempted by recompute
     RUNNING = 1
@@ -107,7 +120,7 @@ class SequenceGroup:
         self.first_output_sent = False
         self.next_sample_index = 0
         # Finish rules, precomputed for the per-token path (lengths count prompt + output):
-        self.stop_ids = frozenset(sp.stop_token_ids)
+        self.stop_ids = _shared_stop_ids(sp.stop_token_ids)
         self.min_len = len(request.prompt_token_ids) + sp.min_tokens   # stop tokens count from here
         self.max_len = len(request.prompt_token_ids) + sp.max_tokens   # "length" at this many
 

@@ -22,6 +22,15 @@ def compute(bm: BlockManager, seq: Sequence, n: int | None = None) -> list[list[
     return copies
 
 
+def computed_pair(bm: BlockManager, n: int) -> tuple[Sequence, Sequence]:
+    """A seq of n computed tokens and a fork of it (sharing all its blocks)."""
+    parent = make_seq(range(n))
+    compute(bm, parent)
+    child = make_seq(range(n), 1)
+    bm.fork(parent, child)
+    return parent, child
+
+
 def test_fork_shares_blocks_until_write():
     bm = BlockManager(16, 4, BS)
     parent = make_seq(range(6))
@@ -89,10 +98,7 @@ def test_allocate_slots_changes_nothing_when_the_pool_is_short():
 
 def test_blocks_freed_by_counts_only_blocks_no_one_else_maps():
     bm = BlockManager(16, 4, BS)
-    a = make_seq(range(10))
-    compute(bm, a)
-    b = make_seq(range(10), 1)
-    bm.fork(a, b)
+    a, b = computed_pair(bm, 10)
     b.token_ids.append(3)
     compute(bm, b, 1)                                  # copy-on-write of the partial block
     assert bm.blocks_freed_by([b]) == 1 and bm.blocks_freed_by([a]) == 1
@@ -174,10 +180,7 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
 
 def test_swap_out_moves_a_block_shared_inside_a_group_once():
     bm = BlockManager(16, 8, BS)
-    parent = make_seq(range(6))
-    compute(bm, parent)
-    child = make_seq(range(6), 1)
-    bm.fork(parent, child)
+    parent, child = computed_pair(bm, 6)
     group = [parent, child]
     assert bm.can_swap_out(group)
     pairs = bm.swap_out(group)
