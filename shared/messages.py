@@ -154,10 +154,6 @@ class StepPlan:
     copy: list[list[int]] = field(default_factory=list)       # [[src_gpu, dst_gpu], ...]
     finished_seq_ids: list[int] = field(default_factory=list)  # drop state (finished/preempted)
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.seq_ids)
-
 
 # ---------------------------------------------------------------- step result (executor → scheduler)
 

@@ -235,8 +235,9 @@ class Scheduler:
                 return
             heapq.heappop(waiting)
             self.num_waiting -= 1
-            hit = min(len(cached) * self.block_size, group.prompt_len)  # a recomputed seq may
-            if bm.enable_prefix_caching and group.prompt_logprobs is None:  # hit its own output
+            # (a recomputed seq may hit its own output too: only prompt tokens count)
+            hit = min(len(cached) * self.block_size, group.prompt_len)
+            if bm.enable_prefix_caching and group.prompt_logprobs is None:
                 self.prefix_cache_queries += group.prompt_len
                 self.prefix_cache_hits += hit
             if cached:
