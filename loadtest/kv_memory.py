@@ -63,27 +63,22 @@ PAPER_BANDS = {"parallel": {"alpaca": (6.1, 9.8), "sharegpt": (16.2, 30.5)},
                "beam": {"alpaca": (37.6, 55.2), "sharegpt": (44.3, 66.3)}}
 
 
-class LengthOnlyExecutor:
-    """Keeps each seq's length from NewSeq / append_token_ids; samples a random token when a
-    chunk reaches the end (random top-2k candidates for beams). No model, no pools."""
+class RandomTokenExecutor:
+    """Samples a random token for each sampling row of a plan (random top-2k candidates for
+    beams), in row order. No model, no pools."""
 
     def __init__(self, seed: int, vocab: int = 49152) -> None:
         self.rng = random.Random(seed)
         self.vocab = vocab
-        self.length: dict[int, int] = {}
         self.beam: dict[int, int] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         for sid in plan.finished_seq_ids:
-            self.length.pop(sid, None)
             self.beam.pop(sid, None)
         for ns in plan.new_seqs:
-            self.length[ns.seq_id] = len(ns.token_ids)
             self.beam[ns.seq_id] = ns.sampling.beam_width
         rng = self.rng
         result = StepResult(plan.step_id)
-        for sid, append in zip(plan.seq_ids, plan.append_token_ids):
-            self.length[sid] += len(append)
         for sid in plan.seq_ids[:plan.num_sampling_rows]:      # row r's sample, in row order
             k = self.beam[sid]
             top: list = []
@@ -166,7 +161,7 @@ def run(requests: list[tuple[list[int], int]], cfg: SchedulerConfig, num_blocks:
         n: int = 1, beam: int = 0, seed: int = 0) -> Figures:
     """All requests arrive at once (an offline batch): memory, not arrivals, bounds the batch."""
     sched = Scheduler(cfg, num_blocks, num_blocks)
-    ex = LengthOnlyExecutor(seed)
+    ex = RandomTokenExecutor(seed)
     for i, (prompt, out_len) in enumerate(requests):
         sp = SamplingParams(n=1 if beam else n, beam_width=beam, max_tokens=out_len)
         sched.add_request(GenerationRequest(f"r{i}", prompt, sp, arrival_time=float(i)))
