@@ -78,6 +78,10 @@ class _Choice:
                 parts.append(self.stop.flush())
             if d.stop_token_id is not None:
                 self.num_tokens += 1
+                if want_logprobs and len(d.logprobs) > len(d.token_ids):
+                    # the stop token is reported with its logprob (no text), as vLLM does
+                    out.text_offsets.append(self.chars)
+                    out.logprobs.append(d.logprobs[len(d.token_ids)])
             if hit is not None:
                 self._end(out, "stop", hit)
             else:

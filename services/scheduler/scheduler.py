@@ -742,7 +742,10 @@ class Scheduler:
         if token in group.stop_ids and len(tokens) >= group.min_len:
             seq.finish_reason = "stop"
             seq.stop_token_id = token
-            return SeqDelta(seq.sample_index, [], _NO_LOGPROBS, "stop", token,
+            # the stop token's own logprob rides along (clients score it, as vLLM reports it)
+            stop_lp = (_NO_LOGPROBS if seq.logprobs is None else
+                       [TokenLogprob(token, logprob, top[:group.sampling.logprobs])])
+            return SeqDelta(seq.sample_index, [], stop_lp, "stop", token,
                             seq.cumulative_logprob)
         tokens.append(token)
         reason = None
