@@ -528,3 +528,35 @@ def test_echo_with_logprobs_and_zero_max_tokens_scores_the_prompt(http, schedule
     assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == len(prompt)
     assert lp["text_offset"][0] == 0 and len(lp["text_offset"]) == len(prompt)
     assert body["usage"]["completion_tokens"] == 0
+
+
+def test_vllm_sampling_extensions_reach_the_wire(http, scheduler, tokenizer):
+    prompt = tokenizer.encode("one two three four five")
+    fut = start(http, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 2, "logit_bias": {"17": -100, "42": 5.5},
+        "allowed_token_ids": [17, 42, 99], "bad_words": ["hello", "big cat"],
+        "truncate_prompt_tokens": 2, "return_tokens_as_token_ids": True, "logprobs": 0})
+    req = scheduler.take().request
+    s = req.sampling
+    assert req.prompt_token_ids == prompt[-2:]
+    assert s.logit_bias == {17: -100.0, 42: 5.5} and s.allowed_token_ids == [17, 42, 99]
+    for word in ("hello", " hello", "big cat", " big cat"):
+        assert tokenizer.encode(word, add_special_tokens=False) in s.bad_words_ids
+    scheduler.emit(req.request_id, SeqDelta(0, [42], [TokenLogprob(42, -0.5)],
+                                            finish_reason="length"), finished=True)
+    assert fut.result(10).json()["choices"][0]["logprobs"]["tokens"] == ["token_id:42"]
+
+
+def test_chat_continue_final_message_and_template_kwargs_shape_the_prompt(http, scheduler,
+                                                                          tokenizer):
+    msgs = [{"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "Blue and"}]
+    fut = start(http, "/v1/chat/completions", {
+        "messages": msgs, "continue_final_message": True, "add_generation_prompt": False,
+        "chat_template_kwargs": {"custom_flag": True}, "max_tokens": 2})
+    req = scheduler.take().request
+    expected = tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True,
+                                             add_generation_prompt=False)
+    assert tokenizer.decode(req.prompt_token_ids) == expected
+    assert expected.endswith("Blue and")          # the assistant turn is left open
+    scheduler.emit(req.request_id, SeqDelta(0, [], finish_reason="length"), finished=True)
+    assert fut.result(10).status_code == 200
