@@ -53,7 +53,7 @@ class Subscription:
         self.interrupted = False
 
     def interrupt(self) -> None:
-        """The client left: the pending get() returns None."""
+        """The client left: the pending next_outputs() returns None."""
         self.interrupted = True
         _wake(self.waiter)
 
