@@ -153,3 +153,20 @@ def test_logit_bias_bans_the_greedy_token_and_forces_another(client, stack):
                                        **dict(kw, max_tokens=3)).choices[0]
     assert forced.text == httpx.post(stack.base_url + "/detokenize",
                                      json={"tokens": [forced_id] * 3}).json()["prompt"]
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(client):
+    kw = dict(model=MODEL, prompt="The cat sat on the mat", echo=True, logprobs=1,
+              temperature=0)
+    scored = client.completions.create(max_tokens=0, **kw)
+    choice = scored.choices[0]
+    assert choice.text == "The cat sat on the mat"
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    # the same prompt logprobs as with one generated token (lm-eval's max_tokens 1)
+    one = client.completions.create(max_tokens=1, **kw).choices[0].logprobs
+    assert one.token_logprobs[:len(lp.tokens)] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert len(one.tokens) == len(lp.tokens) + 1
