@@ -45,7 +45,7 @@ def test_local_completions_loglikelihoods_equal_the_hf_backend(stack, hf_dir, mo
         "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,timeout=120",
         batch_size=4)
     hf_acc, local = _evaluate("hf", f"pretrained={hf_dir},dtype=float32,device=cpu",
-                              batch_size=1)
+                              batch_size=8)
     assert len(served) == len(local) == 12
     for doc, (ours, theirs) in enumerate(zip(served, local)):
         assert ours == pytest.approx(theirs, abs=1e-3), f"document {doc}"
