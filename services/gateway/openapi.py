@@ -161,9 +161,19 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
         "status": {"type": "string", "enum": ["ok", "degraded"]},
         "reason": {"type": "string"}, "schedulers": {"type": "array", "items": {"type": "string"}}}}
 
+    headers = [
+        {"name": "X-Request-Id", "in": "header", "required": False,
+         "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,100}$"},
+         "description": "the request's id (cmpl-<it>), echoed in the response"},
+        {"name": "X-Resumable-Stream", "in": "header", "required": False,
+         "schema": {"type": "string"},
+         "description": "\"true\": a resumable stream (one prompt): event ids, keep-alives, "
+                        "and the request outlives a dropped connection by resume_grace_s"}]
+
     def generation(schema: str, summary: str) -> dict:
         return {"post": {
             "summary": summary,
+            "parameters": headers,
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
             "responses": {
