@@ -43,6 +43,10 @@ _GATEWAY = [
     ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
     ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 (empty: open)"),
     ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int, "queued requests before 429"),
+    ("--served-model-name", "PAGEDSERVE_SERVED_MODEL_NAME", None, "names",
+     "names clients may pass as model (space- or comma-separated; the first is echoed)"),
+    ("--resume-grace-s", "PAGEDSERVE_RESUME_GRACE_S", 30.0, float,
+     "a resumable stream's request keeps running this long after its client drops"),
 ]
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
@@ -103,6 +107,10 @@ def _add(parser: argparse.ArgumentParser, table) -> None:
             parser.add_argument(flag, action="store_true", default=on or default,
                                 help=f"{help_} [env {env}]")
             continue
+        if typ == "names":
+            parser.add_argument(flag, nargs="+", default=_names([raw or ""]) or default,
+                                help=f"{help_} [env {env}]")
+            continue
         value = _EnvValue(raw, env) if raw not in (None, "") else default
         parser.add_argument(flag, type=_from_env_or_flag(typ, parser.prog), default=value,
                             help=f"{help_} [env {env}, default {default}]")
@@ -120,6 +128,11 @@ class _EnvValue(str):
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def _names(values: list[str]) -> list[str]:
+    """Names given as several arguments, comma-separated, or both."""
+    return [n.strip() for v in values for n in v.split(",") if n.strip()]
 
 
 def _from_env_or_flag(typ, prog: str):
@@ -191,6 +204,7 @@ def gateway_config(args):
 
     keys = [k for k in (args.api_keys or "").split(",") if k]
     return _fill(GatewayConfig, args, api_keys=keys,
+                 served_model_name=_names(args.served_model_name or []),
                  redis_url=args.redis_url or "redis://127.0.0.1:6379/0")
 
 
@@ -437,6 +451,9 @@ def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
                 if typ == "flag":
                     if value:
                         flags.append(flag)
+                elif typ == "names":
+                    if value:
+                        flags += [flag, *value]
                 elif value is not None and flag != "--redis-url":
                     flags += [flag, str(value)]
         out[name] = flags

@@ -4,6 +4,7 @@ Wires (docs/design.md walks one request through all of them):
 
     gateway ──GenerationRequest──▶ Redis ──▶ scheduler          (request stream)
     gateway ──AbortRequest───────▶ Redis ──▶ scheduler          (abort stream)
+    gateway ──StreamHeader───────▶ Redis ──▶ gateway            (out:{request_id}, first entry)
     scheduler ──RequestOutput────▶ Redis ──▶ gateway            (out:{request_id} stream)
     scheduler ──StepPlan─────────▶ ZeroMQ ─▶ executor rank 0..N
     executor rank 0 ──StepResult─▶ ZeroMQ ─▶ scheduler
@@ -41,6 +42,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # includes EOS unless ignore_eos
     logprobs: int | None = None      # top-k logprobs per sampled token (0 = only the sampled one)
     prompt_logprobs: int | None = None
+    # Logits processing, applied before penalties and sampling (the reported logprobs stay
+    # those of the raw logits, as in vLLM):
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None   # every other token is banned (-inf)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed
 
 
 @message
@@ -57,6 +63,34 @@ class AbortRequest:
     request_id: str
     reason: str = "abort"
     index: int = -1                  # one sequence (0..n-1) of the request; -1: all of it
+
+
+@message
+class StreamHeader:
+    """The first entry of a request's output stream: all a gateway needs, besides the outputs,
+    to answer (or replay, for a resuming client on any replica) the request's response."""
+
+    kind: str                        # "completion" | "chat"
+    request_id: str                  # the id of the response (several prompts share it)
+    model: str                       # the served name echoed in the response
+    created: int                     # unix seconds
+    n: int                           # choices of this prompt (beams returned with beam search)
+    prompt_tokens: int
+    stream: bool = False
+    include_usage: bool = False      # stream_options.include_usage
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage on every chunk
+    resumable: bool = False          # event ids, keep-alives, survives a drop (opt-in)
+    logprobs: int | None = None      # top-k per token; None: no logprobs
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0              # stop strings apply from this many new tokens on (vLLM)
+    prompt_index: int = 0            # choices are numbered prompt_index * n + j
+    echo: bool = False               # completions: the prompt's text (and logprobs) first
+    prompt_token_ids: list[int] = field(default_factory=list)  # kept only with echo
+    hide_output: bool = False        # max_tokens 0: the one token run is not shown or counted
+    prompt_logprobs: int | None = None  # vLLM's choices[i].prompt_logprobs (top-k)
+    tokens_as_ids: bool = False      # logprob tokens written "token_id:<id>" (vLLM)
 
 
 # ---------------------------------------------------------------- outputs (scheduler → gateway)

@@ -3,8 +3,8 @@
     {prefix}:requests          stream, consumer group `schedulers`; field b"m" = GenerationRequest
     {prefix}:aborts            stream (capped); field b"m" = AbortRequest; every scheduler reads all
     {prefix}:out:{request_id}  stream, one per request; field b"m" = RequestOutput; TTL'd
-                               (its first entry, field b"h", is the gateway's response header:
-                               JSON the gateway needs to replay the stream on resumption)
+                               (its first entry, field b"h" = StreamHeader, is the gateway's
+                               response header: what any gateway needs to replay the stream)
     {prefix}:schedulers        hash: scheduler name -> last heartbeat (unix seconds)
     {prefix}:metrics:{name}    string: that scheduler's Prometheus exposition text (short TTL)
     {prefix}:degraded          hash: scheduler name -> why it cannot serve now (absent: fine)
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MSG_FIELD = b"m"
+HEADER_FIELD = b"h"       # an output stream's first entry: StreamHeader instead of b"m"
 CONSUMER_GROUP = "schedulers"
 OUTPUT_TTL_S = 600        # per-request output streams expire this long after their last write
 FINISHED_OUTPUT_TTL_S = 120  # ... and this long after the request finished (still resumable)

@@ -55,3 +55,19 @@ def test_a_malformed_flag_keeps_argparse_own_message():
     done = launch("gateway", "--port", "x")
     assert done.returncode == 2
     assert "argument --port: invalid int value: 'x'" in done.stderr
+
+
+def test_served_model_names_and_the_resume_grace_reach_the_gateway(monkeypatch):
+    from services.launcher import _flags_for, gateway_config
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "team", "gpt-x,alias",
+                                      "--resume-grace-s", "5"])
+    cfg = gateway_config(args)
+    assert (cfg.served_model_name, cfg.resume_grace_s) == (["team", "gpt-x", "alias"], 5.0)
+    # `serve` hands both on to the gateway process it starts
+    again = build_parser().parse_args(["gateway", *_flags_for(args)["gateway"]])
+    assert gateway_config(again).served_model_name == ["team", "gpt-x", "alias"]
+    monkeypatch.setenv("PAGEDSERVE_SERVED_MODEL_NAME", "a,b")
+    monkeypatch.setenv("PAGEDSERVE_RESUME_GRACE_S", "7.5")
+    cfg = gateway_config(build_parser().parse_args(["gateway"]))
+    assert (cfg.served_model_name, cfg.resume_grace_s) == (["a", "b"], 7.5)

@@ -1,6 +1,7 @@
 """The official `openai` SDK, unmodified, against the real stack (SmolLM2 on the CPU)."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -107,3 +108,65 @@ def test_unknown_model_is_a_404_with_an_error_body(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-17", prompt="hi", max_tokens=1)
     assert "gpt-17" in str(err.value)
+
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Roses are red,", "The sun rises in the"]
+
+
+def test_several_prompts_with_n_give_prompt_major_choices_equal_to_single_answers(client):
+    kw = dict(model=MODEL, max_tokens=6, temperature=0)
+    singles = [client.completions.create(prompt=p, **kw) for p in PROMPTS]
+    single = [r.choices[0].text for r in singles]
+    assert len(set(single)) == len(PROMPTS)          # the order below is observable
+    expected = [single[i // 2] for i in range(2 * len(PROMPTS))]   # prompt_index * n + j
+
+    whole = client.completions.create(prompt=PROMPTS, n=2, **kw)
+    assert [c.index for c in whole.choices] == list(range(8))
+    assert [c.text for c in whole.choices] == expected
+    assert whole.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in singles)
+    assert whole.usage.completion_tokens == 2 * sum(r.usage.completion_tokens for r in singles)
+
+    texts = [""] * 8
+    usage = None
+    for chunk in client.completions.create(prompt=PROMPTS, n=2, stream=True,
+                                           stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == expected
+    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+
+
+def test_logit_bias_bans_the_greedy_token_and_forces_another(client, stack):
+    def tokens(text: str) -> list[int]:
+        return httpx.post(stack.base_url + "/tokenize", json={
+            "prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0)
+    greedy = client.completions.create(**kw).choices[0].text
+    (greedy_id,) = tokens(greedy)
+    banned = client.completions.create(logit_bias={str(greedy_id): -100}, **kw).choices[0]
+    assert banned.text != greedy
+    forced_id = tokens(" banana")[0]
+    forced = client.completions.create(logit_bias={str(forced_id): 100},
+                                       **dict(kw, max_tokens=3)).choices[0]
+    assert forced.text == httpx.post(stack.base_url + "/detokenize",
+                                     json={"tokens": [forced_id] * 3}).json()["prompt"]
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(client):
+    kw = dict(model=MODEL, prompt="The cat sat on the mat", echo=True, logprobs=1,
+              temperature=0)
+    scored = client.completions.create(max_tokens=0, **kw)
+    choice = scored.choices[0]
+    assert choice.text == "The cat sat on the mat"
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    # the same prompt logprobs as with one generated token (lm-eval's max_tokens 1)
+    one = client.completions.create(max_tokens=1, **kw).choices[0].logprobs
+    assert one.token_logprobs[:len(lp.tokens)] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert len(one.tokens) == len(lp.tokens) + 1

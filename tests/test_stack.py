@@ -114,7 +114,8 @@ def test_disconnect_mid_stream_frees_blocks_within_a_second(stack):
 BAD_BODIES = [
     ("malformed json", b"{not json", 400),
     ("missing prompt", {"model": MODEL, "max_tokens": 5}, 400),
-    ("unknown field", {"model": MODEL, "prompt": "hi", "max_tokens": 5, "frobnicate": 1}, 400),
+    ("logit_bias out of range", {"model": MODEL, "prompt": "hi", "max_tokens": 5,
+                                 "logit_bias": {"5": 500}}, 400),
     ("wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "five"}, 400),
     ("negative max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400),
     ("huge max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400),

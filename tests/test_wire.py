@@ -3,7 +3,8 @@ import msgpack
 import pytest
 
 from shared.messages import (AbortRequest, GenerationRequest, NewSeq, RequestOutput,
-                             SamplingParams, SeqDelta, StepPlan, StepResult, TokenLogprob)
+                             SamplingParams, SeqDelta, StepPlan, StepResult, StreamHeader,
+                             TokenLogprob)
 from shared.wire import WIRE_VERSION, WireError, decode, encode
 
 
@@ -11,6 +12,13 @@ def _examples():
     sp = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=40, seed=11, max_tokens=64,
                         stop_token_ids=[2, 7], logprobs=5, prompt_logprobs=1)
     yield GenerationRequest("req-1", [1, 2, 3], sp, priority=-1, arrival_time=1.5)
+    constrained = SamplingParams(logit_bias={5: -100.0, 70000: 2.5}, allowed_token_ids=[1, 5],
+                                 bad_words_ids=[[9], [3, 4]])
+    yield GenerationRequest("req-3", [1], constrained)
+    yield StreamHeader("completion", "cmpl-1-2", "m", 1700000000, 2, 3, stream=True,
+                       include_usage=True, continuous_usage=True, resumable=False, logprobs=1,
+                       stop=["END"], prompt_index=2, echo=True, prompt_token_ids=[1, 2, 3],
+                       hide_output=True, prompt_logprobs=0, tokens_as_ids=True)
     yield AbortRequest("req-1", "client disconnected")
     yield RequestOutput("req-1", [SeqDelta(0, [5, 6], [TokenLogprob(5, -0.1, [[5, -0.1], [9, -2.5]]),
                                                        TokenLogprob(6, -0.2)], "stop", 2, -0.3)],

@@ -4,6 +4,8 @@ Per row, in this order (vLLM semantics):
 
     raw logits ──log_softmax──▶ reported logprob, top candidates
         │
+        ├─ allowed_token_ids: every other token banned
+        ├─ logit_bias added; bad words' last tokens banned where the output ends in the rest
         ├─ stop tokens banned while fewer than min_tokens outputs exist
         ├─ repetition penalty over prompt+output tokens (x / p if x > 0 else x * p)
         ├─ frequency * count + presence * [count > 0] subtracted, over output tokens
@@ -99,17 +101,41 @@ class Sampler:
     # ------------------------------------------------------------------ logits processing
 
     def _constrained_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Logits with min_tokens bans and penalties applied (a copy only if anything applies)."""
-        ban = [(i, r.params.stop_token_ids) for i, r in enumerate(rows)
-               if r.params.stop_token_ids and r.output_len < r.params.min_tokens]
+        """Logits with token masks, biases, min_tokens bans and penalties applied (a copy
+        only if anything applies). Every kind is one batched tensor operation."""
+        allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        bias_at: tuple[list[int], list[int], list[float]] = ([], [], [])
+        banned: tuple[list[int], list[int]] = ([], [])
+        for i, r in enumerate(rows):
+            p = r.params
+            for t, b in p.logit_bias.items():
+                bias_at[0].append(i)
+                bias_at[1].append(t)
+                bias_at[2].append(b)
+            if p.stop_token_ids and r.output_len < p.min_tokens:
+                banned[0].extend([i] * len(p.stop_token_ids))
+                banned[1].extend(p.stop_token_ids)
+            for t in _bad_word_ends(r):
+                banned[0].append(i)
+                banned[1].append(t)
         pen = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
                or r.params.frequency_penalty != 0.0]
-        if not ban and not pen:
+        if not (allowed or bias_at[0] or banned[0] or pen):
             return logits
         x = logits.clone()
-        for i, stop_ids in ban:
-            x[i, stop_ids] = float("-inf")
+        dev = x.device
+        if allowed:
+            keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool)
+            for j, i in enumerate(allowed):
+                keep[j, rows[i].params.allowed_token_ids] = True
+            x[allowed] = x[allowed].masked_fill(~keep.to(dev), float("-inf"))
+        if bias_at[0]:
+            at = (torch.tensor(bias_at[0], device=dev), torch.tensor(bias_at[1], device=dev))
+            x.index_put_(at, torch.tensor(bias_at[2], dtype=x.dtype, device=dev), accumulate=True)
+        if banned[0]:
+            at = (torch.tensor(banned[0], device=dev), torch.tensor(banned[1], device=dev))
+            x[at] = float("-inf")
         if pen:
             x[pen] = self._penalised(x[pen], [rows[i] for i in pen])
         return x
@@ -178,6 +204,17 @@ class Sampler:
         return [free[i] if r.params.seed is None
                 else seeded_uniform(r.params.seed, r.sample_index, r.output_len)
                 for i, r in enumerate(rows)]
+
+
+def _bad_word_ends(r: SampleRow) -> list[int]:
+    """The tokens that would complete one of r's bad words now: a one-token word always,
+    a longer one when the output so far ends with all of the word but its last token."""
+    out = []
+    for word in r.params.bad_words_ids:
+        *head, last = word
+        if not head or (len(head) <= r.output_len and r.token_ids[-len(head):] == head):
+            out.append(last)
+    return out
 
 
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,28 @@
 """The gateway: an OpenAI-compatible Starlette app in front of the Redis request queue.
 
     POST /v1/completions, /v1/chat/completions   generate (JSON, or SSE with stream=true)
-    GET  /v1/streams/{request_id}                resume an output stream (Last-Event-ID)
-    GET  /v1/models, /v1/models/{model}          the served model
+    GET  /v1/streams/{request_id}                resume a resumable stream (Last-Event-ID)
+    GET  /v1/models, /v1/models/{model}          the served model, under each served name
     POST /tokenize, /detokenize                  vLLM's shapes
+    GET  /version                                {"version": ...}, as vLLM answers it
     GET  /health   200 when Redis answers and a scheduler beat is fresh, else 503
     GET  /ping     200 while the process is up (liveness)
     GET  /metrics  Prometheus: the gateway's counters, then every scheduler's
     GET  /openapi.json
 
 Stateless: any replica can serve any request (or resume any stream). Bearer keys, when
-configured, guard /v1/* only. Long prompts are tokenized on one dedicated thread so the
-event loop keeps streaming meanwhile.
+configured, guard /v1/* only. A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
+becomes the request's id (`cmpl-<it>`, `chatcmpl-<it>`) and is echoed in the response's
+X-Request-Id header; without one the gateway makes a random id and sends that. Long
+prompts are tokenized on one dedicated thread so the event loop keeps streaming meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
+import importlib.metadata
 import json
 import logging
 import re
@@ -38,18 +43,23 @@ from services.gateway.detokenizer import TokenVocab
 from services.gateway.follower import StreamFollower
 from services.gateway.metrics import ENDPOINTS, GatewayMetrics, merge_expositions
 from services.gateway.openapi import openapi_document
-from services.gateway.protocol import RequestParser, ResponseSpec
+from services.gateway.protocol import RequestParser, model_not_found
 from services.gateway.queue import QueueUnavailable, RequestQueue
 from services.gateway.responses import dumps
-from services.gateway.stream import GenerationStream
+from services.gateway.stream import RESUMABLE_HEADER, GenerationStream, Part
 from services.gateway.validation import ApiError, bad
 from shared.model_source import ModelNotFound, load_tokenizer, resolve_model
 from shared.redis_keys import FINISHED_OUTPUT_TTL_S, OUTPUT_TTL_S
 
 log = logging.getLogger("pagedserve.gateway")
 
+try:
+    _VERSION = importlib.metadata.version("pagedserve")
+except importlib.metadata.PackageNotFoundError:     # run from a checkout, not installed
+    _VERSION = "0+unknown"
 INLINE_PARSE_BYTES = 8192   # bodies up to this size are parsed and tokenized on the event loop
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,100}")   # room left for a prefix and -<i>
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 
@@ -67,10 +77,11 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer=None) -> None:
         self.config = config
         source = resolve_model(config.model)
-        self.served_name = source.served_name
+        self.served_names = list(config.served_model_name) or [source.served_name]
+        self.served_name = self.served_names[0]      # echoed in responses
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
         self.vocab = TokenVocab(self.tokenizer)
-        self.parser = RequestParser(config, self.tokenizer, self.vocab, self.served_name)
+        self.parser = RequestParser(config, self.tokenizer, self.vocab, self.served_names)
         self.queue = RequestQueue(config.redis_url, config.redis_prefix,
                                   config.request_stream_maxlen,
                                   socket_timeout_s=config.read_block_ms / 1000 + 5.0,
@@ -124,23 +135,37 @@ class Gateway:
         return await self._generate(request, self.parser.chat)
 
     async def _generate(self, request: Request, parse: Callable) -> GenerationStream:
-        parsed = await self.parse(parse, request)
-        await self.admit()
-        # Follow the output stream from its start; the reader's wake-up (if it is blocked)
+        client_id = request.headers.get("x-request-id")
+        if client_id is not None and not _CLIENT_REQUEST_ID.fullmatch(client_id):
+            raise bad("X-Request-Id must be 1 to 100 letters, digits, '_', '.' or '-'",
+                      "X-Request-Id")
+        resumable = request.headers.get(RESUMABLE_HEADER, "").lower() in ("true", "1")
+        parsed = await self.parse(functools.partial(parse, request_id=client_id,
+                                                    resumable=resumable), request)
+        if client_id is not None and await self.queue.exists(parsed.requests[0].request_id):
+            raise bad(f"X-Request-Id {client_id!r} was already used for a request whose "
+                      "stream has not expired: send a new id", "X-Request-Id",
+                      "duplicate_request_id")
+        await self.admit(len(parsed.requests))
+        # Follow the output streams from their start; the reader's wake-up (if it is blocked)
         # rides in the same round trip as the enqueue.
-        sub = self.follower.register(parsed.request.request_id)
+        subs = [self.follower.register(r.request_id) for r in parsed.requests]
         try:
-            header_id = await self.queue.submit(parsed.request, parsed.spec.to_dict(),
-                                                also=self.follower.wake_into)
+            header_ids = await self.queue.submit(parsed.requests, parsed.headers,
+                                                 also=self.follower.wake_into)
         except BaseException:
-            self.follower.unsubscribe(sub)
+            for sub in subs:
+                self.follower.unsubscribe(sub)
             raise
         self.follower.ensure_reading()
-        return GenerationStream(self, parsed.spec, header_id, sub=sub)
+        parts = [Part(h, hid, sub, self.vocab)
+                 for h, hid, sub in zip(parsed.headers, header_ids, subs)]
+        return GenerationStream(self, parsed.response_id, parts, echo_request_id=client_id)
 
-    async def admit(self) -> None:
+    async def admit(self, count: int = 1) -> None:
         """429 when too many requests are unfinished. The depth is probed at most every
-        queue_probe_s and counted up locally in between: one probe serves a burst."""
+        queue_probe_s and counted up locally in between: one probe serves a burst. `count`:
+        the prompts of the request, each one a request of the scheduler."""
         loop = asyncio.get_running_loop()
         if loop.time() >= self._depth_next_probe:
             self._depth_next_probe = loop.time() + self.config.queue_probe_s
@@ -151,7 +176,7 @@ class Gateway:
                                 f"(limit {self.config.max_queue}); retry after "
                                 f"{self.config.retry_after_s} s", code="queue_full",
                            headers=self.retry_after)
-        self._depth += 1
+        self._depth += count
 
     async def resume(self, request: Request) -> GenerationStream:
         request_id = request.path_params["request_id"]
@@ -160,32 +185,33 @@ class Gateway:
             raise bad(f"Last-Event-ID {last[:64]!r} is not an event id of this server (they look "
                       "like 1700000000000-0)", "Last-Event-ID")
         found = await self.queue.header(request_id) if _REQUEST_ID.fullmatch(request_id) else None
-        try:
-            spec = ResponseSpec.from_dict(found[1]) if found else None
-        except (TypeError, ValueError):
-            spec = None
-        if spec is None:
+        if found is None:
             raise ApiError(404, f"no output stream for request {request_id[:128]!r}: the id is "
                                 f"unknown or its stream expired ({FINISHED_OUTPUT_TTL_S} s "
                                 f"after the request finished, or {OUTPUT_TTL_S} s after its "
                                 "last event)", param="request_id", code="stream_not_found")
-        return GenerationStream(self, spec, found[0], resumed=True, last_event_id=last)
+        header_id, spec = found
+        return GenerationStream(self, spec.request_id, [Part(spec, header_id, None, self.vocab)],
+                                resumed=True, last_event_id=last)
 
     # ------------------------------------------------------------ models, tokenizer
-    def _card(self) -> dict:
-        return {"id": self.served_name, "object": "model", "created": self.created,
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created,
                 "owned_by": "pagedserve", "root": self.served_name,
                 "max_model_len": self.config.max_model_len}
 
     async def models(self, request: Request) -> Response:
-        return json_response({"object": "list", "data": [self._card()]})
+        return json_response({"object": "list",
+                              "data": [self._card(n) for n in self.served_names]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if name != self.served_name:
-            raise ApiError(404, f"the model {name[:256]!r} does not exist: this server serves "
-                                f"{self.served_name!r}", param="model", code="model_not_found")
-        return json_response(self._card())
+        if name not in self.served_names:
+            raise model_not_found(name, self.served_names)
+        return json_response(self._card(name))
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": _VERSION})
 
     async def tokenize(self, request: Request) -> Response:
         return json_response(await self.parse(self.parser.tokenize, request))
@@ -223,7 +249,7 @@ class Gateway:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        return json_response(openapi_document(self.config, self.served_name, self.vocab.size))
+        return json_response(openapi_document(self.config, self.served_names, self.vocab.size))
 
     def routes(self) -> list[Route]:
         return [
@@ -236,6 +262,7 @@ class Gateway:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.ping, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ]

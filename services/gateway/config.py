@@ -17,6 +17,8 @@ from shared.model_source import BUNDLED_NAME
 @dataclass(slots=True)
 class GatewayConfig:
     model: str = BUNDLED_NAME              # bundled name, .gguf file or HF folder (model_source)
+    served_model_name: list[str] = field(default_factory=list)  # names clients may pass as
+    # "model" (comma-separated); the first is echoed in responses. Empty: the model's own name
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -36,11 +38,13 @@ class GatewayConfig:
     max_stop: int = 16                     # stop strings per request
     max_stop_chars: int = 256              # characters per stop string
     max_logprobs: int = 20                 # top-k logprobs per token
+    max_prompts: int = 256                 # prompts in one /v1/completions request
     # Streaming
     stream_start_wait_s: float = 1.0       # SSE headers wait this long: a refusal is then a 4xx
-    keepalive_s: float = 15.0              # SSE comment after this much silence (for proxies)
+    keepalive_s: float = 15.0              # resumable SSE: a comment after this much silence
     read_block_ms: int = 2000              # one XREAD BLOCK slice (also bounds shutdown latency)
-    abort_grace_s: float = 0.0             # after a disconnect, wait this long for a resume
+    resume_grace_s: float = 30.0           # a resumable stream's request outlives its client's
+    # drop by this long, waiting for a resume; other requests are aborted at once
     heartbeat_fresh_s: float = 5.0         # /health: a scheduler beat younger than this is alive
 
     @classmethod
@@ -55,7 +59,7 @@ class GatewayConfig:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kind = type(default)
             raw = env.get(var)
-            if f.name == "api_keys":
+            if f.name in ("api_keys", "served_model_name"):
                 kind = _keys
             try:
                 value = kind(raw) if raw not in (None, "") else default

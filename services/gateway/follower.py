@@ -10,7 +10,7 @@ round trip, and hands each stream's entries to its subscribers:
           └─ XADD wake ─┐                       ▼
                         └──▶ reader: XREAD BLOCK out:{a} out:{b} .. wake ──▶ entries by key
                                                                              │
-                             Subscription.get(timeout) ◀── inbox + waiter ◀──┘
+                             next_outputs(subs, timeout) ◀── inbox + waiter ◀┘
 
 The wake stream is private to this process: writing to it ends the reader's current
 block, so a new subscriber joins the very next read (no polling delay on the first token).
@@ -21,10 +21,8 @@ import asyncio
 import logging
 import uuid
 
-from services.gateway.queue import REDIS_DOWN, QueueUnavailable, RequestQueue
+from services.gateway.queue import REDIS_DOWN, QueueUnavailable, RequestQueue, read_entry
 from shared.messages import RequestOutput
-from shared.redis_keys import MSG_FIELD
-from shared.wire import WireError, decode
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -54,29 +52,38 @@ class Subscription:
         self.waiter: asyncio.Future | None = None
         self.interrupted = False
 
-    async def get(self, timeout_s: float) -> list[tuple[str, RequestOutput]] | None:
-        """Outputs since the last call, [] after timeout_s, None once interrupted.
-        Raises QueueUnavailable when Redis failed under the reader."""
-        if not self.inbox and self.error is None and not self.interrupted:
-            loop = asyncio.get_running_loop()
-            self.waiter = loop.create_future()
-            timer = loop.call_later(timeout_s, _wake, self.waiter)
-            try:
-                await self.waiter
-            finally:
-                timer.cancel()
-                self.waiter = None
-        if self.interrupted:
-            return None
-        if self.error is not None and not self.inbox:
-            raise self.error
-        out, self.inbox = self.inbox, []
-        return out
-
     def interrupt(self) -> None:
-        """The client left: the pending get() returns None."""
+        """The client left: the pending next_outputs() returns None."""
         self.interrupted = True
         _wake(self.waiter)
+
+
+async def next_outputs(subs: list[Subscription], timeout_s: float
+                       ) -> list[tuple[int, str, RequestOutput]] | None:
+    """(k, entry id, output) for what subs[k] received since the last call, [] after
+    timeout_s, None once interrupted. One wait covers every subscription (the prompts of
+    one request). Raises QueueUnavailable when Redis failed under the reader."""
+    if not any(s.inbox or s.error is not None or s.interrupted for s in subs):
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        for s in subs:
+            s.waiter = waiter
+        timer = loop.call_later(timeout_s, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            for s in subs:
+                s.waiter = None
+    if any(s.interrupted for s in subs):
+        return None
+    out = []
+    for k, s in enumerate(subs):
+        if s.error is not None and not s.inbox:
+            raise s.error
+        out.extend((k, e, o) for e, o in s.inbox)
+        s.inbox = []
+    return out
 
 
 class StreamFollower:
@@ -167,13 +174,9 @@ class StreamFollower:
         a gap: it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, fields in entries:
-            entry_id, data = raw_id.decode(), fields.get(MSG_FIELD)
-            out = None
-            if data is not None:             # (the header entry has no b"m")
-                try:
-                    out = decode(data, RequestOutput)
-                except WireError as exc:
-                    log.warning("skipping undecodable output entry %s: %s", entry_id, exc)
+            entry_id, out = raw_id.decode(), read_entry(raw_id, fields)
+            if not isinstance(out, RequestOutput):
+                out = None                   # the header, or an undecodable entry
             decoded.append((entry_id, stream_id(entry_id), out))
         start = stream_id(read_from) if read_from is not None else None
         for s in subs:

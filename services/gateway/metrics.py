@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 ENDPOINTS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
     "/v1/streams/{request_id}", "/tokenize", "/detokenize", "/health", "/ping", "/metrics",
-    "/openapi.json"})
+    "/openapi.json", "/version"})
 
 
 class GatewayMetrics:

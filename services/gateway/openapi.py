@@ -1,8 +1,9 @@
 """The OpenAPI 3.0 document served at /openapi.json, with this server's real limits.
 
-The request schemas say what `protocol.py` accepts (`additionalProperties: false`: unknown
-fields are a 400). Limits that depend on the prompt (prompt + max_tokens <= max_model_len)
-cannot be written in a schema: a request valid here may still get that 400.
+The request schemas say what `protocol.py` reads; other fields are ignored, as vLLM
+ignores them (`additionalProperties` is left open). Limits that depend on the prompt
+(prompt + max_tokens <= max_model_len) cannot be written in a schema: a request valid here
+may still get that 400.
 """
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ def _error(description: str) -> dict:
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
 
 
-def openapi_document(cfg, served_name: str, vocab_size: int) -> dict:
+def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
     token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    tokens = {"type": "array", "minItems": 1, "items": token}
     sampling = {
-        "model": _opt({"type": "string", "example": served_name},
-                      "the served model (GET /v1/models); optional"),
+        "model": _opt({"type": "string", "enum": list(served_names)},
+                      "a served model name (GET /v1/models); optional"),
         "n": _opt({"type": "integer", "minimum": 1, "maximum": cfg.max_n, "default": 1}),
         "best_of": _opt({"type": "integer", "minimum": 1, "maximum": cfg.max_n},
                         "with use_beam_search: beam width = max(n, best_of); else must equal n"),
@@ -44,8 +46,10 @@ def openapi_document(cfg, served_name: str, vocab_size: int) -> dict:
                                 "vLLM extension: beam search; the n best beams are returned"),
         "length_penalty": _num(-10, 10, 1.0),
         "stream": _opt({"type": "boolean", "default": False}),
-        "stream_options": _opt({"type": "object", "additionalProperties": False,
-                                "properties": {"include_usage": _opt({"type": "boolean"})}},
+        "stream_options": _opt({"type": "object", "properties": {
+            "include_usage": _opt({"type": "boolean"}),
+            "continuous_usage_stats": _opt({"type": "boolean"},
+                                           "vLLM extension: usage on every chunk")}},
                                "read only with stream=true"),
         "stop": _opt({"oneOf": [
             {"type": "string", "minLength": 1, "maxLength": cfg.max_stop_chars},
@@ -70,29 +74,51 @@ def openapi_document(cfg, served_name: str, vocab_size: int) -> dict:
         "priority": _opt({"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1,
                           "default": 0}, "lower is served first (scheduler policy 'priority')"),
         "user": _opt({"type": "string"}, "accepted and ignored"),
-        "logit_bias": _opt({"type": "object", "maxProperties": 0}, "not supported: {} or null"),
+        "logit_bias": _opt({"type": "object", "maxProperties": 1024,
+                            "propertyNames": {"pattern": r"^[0-9]{1,9}$"},
+                            "additionalProperties": {"type": "number", "minimum": -100,
+                                                     "maximum": 100}},
+                           "token id (a string) -> bias added to its logit"),
+        "allowed_token_ids": _opt(dict(tokens), "vLLM: only these tokens may be sampled"),
+        "bad_words": _opt({"type": "array", "maxItems": 64, "items": {
+            "type": "string", "minLength": 1, "maxLength": cfg.max_stop_chars,
+            "pattern": r"\S"}}, "vLLM: words never generated"),
+        "truncate_prompt_tokens": _opt({"type": "integer", "minimum": 1},
+                                       "vLLM: keep only the prompt's last k tokens"),
+        "return_tokens_as_token_ids": _opt({"type": "boolean"},
+                                           "vLLM: logprob tokens as 'token_id:<id>'"),
+        "prompt_logprobs": _opt({"type": "integer", "minimum": 0,
+                                 "maximum": cfg.max_logprobs},
+                                "vLLM: top-k logprobs of each prompt token (not with stream)"),
     }
-    text_part = {"type": "object", "additionalProperties": False, "required": ["type"],
+    text_part = {"type": "object", "required": ["type"],
                  "properties": {"type": {"type": "string", "enum": ["text"]},
                                 "text": _opt({"type": "string"})}}
-    message = {"type": "object", "additionalProperties": False, "required": ["role"],
+    message = {"type": "object", "required": ["role"],
                "properties": {"role": {"type": "string", "enum": list(ROLES)},
                               "content": _opt({"oneOf": [{"type": "string"},
                                                          {"type": "array", "items": text_part}]}),
                               "name": _opt({"type": "string"})}}
     messages = {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/Message"}}
-    prompt = {"oneOf": [{"type": "string", "minLength": 1},
-                        {"type": "array", "minItems": 1, "items": token},
-                        {"type": "array", "minItems": 1, "maxItems": 1,
-                         "items": {"type": "string", "minLength": 1}}]}
-    completion = {"type": "object", "additionalProperties": False, "required": ["prompt"],
+    prompt = {"oneOf": [{"type": "string", "minLength": 1}, tokens,
+                        {"type": "array", "minItems": 1, "maxItems": cfg.max_prompts,
+                         "items": {"type": "string", "minLength": 1}},
+                        {"type": "array", "minItems": 1, "maxItems": cfg.max_prompts,
+                         "items": tokens}]}
+    completion = {"type": "object", "required": ["prompt"],
                   "properties": dict(sampling, prompt=prompt,
+                                     max_tokens=_opt({"type": "integer", "minimum": 0,
+                                                      "maximum": cfg.max_model_len - 1},
+                                                     "new tokens per choice (0: score the "
+                                                     "prompt, with echo); prompt + max_tokens "
+                                                     f"<= {cfg.max_model_len}"),
                                      logprobs=_opt({"type": "integer", "minimum": 0,
                                                     "maximum": cfg.max_logprobs}),
-                                     echo=_opt({"type": "boolean", "enum": [False]}),
+                                     echo=_opt({"type": "boolean"},
+                                               "the prompt (and its logprobs) first"),
                                      suffix=_opt({"type": "string", "enum": [""]}),
                                      add_special_tokens=_opt({"type": "boolean"}))}
-    chat = {"type": "object", "additionalProperties": False, "required": ["messages"],
+    chat = {"type": "object", "required": ["messages"],
             "properties": dict(
                 sampling, messages=messages,
                 logprobs=_opt({"type": "boolean", "default": False}),
@@ -101,22 +127,25 @@ def openapi_document(cfg, served_name: str, vocab_size: int) -> dict:
                 max_completion_tokens=_opt({"type": "integer", "minimum": 1,
                                             "maximum": cfg.max_model_len - 1}),
                 add_generation_prompt=_opt({"type": "boolean", "default": True}),
+                continue_final_message=_opt({"type": "boolean", "default": False},
+                                            "vLLM: the last (assistant) message is continued"),
+                chat_template_kwargs=_opt({"type": "object"},
+                                          "vLLM: extra variables for the chat template"),
                 tools=_opt({"type": "array", "maxItems": 0}, "not supported"),
                 tool_choice=_opt({"type": "string", "enum": ["none"]}),
-                response_format=_opt({"type": "object", "additionalProperties": False,
-                                      "required": ["type"],
+                response_format=_opt({"type": "object", "required": ["type"],
                                       "properties": {"type": {"type": "string",
                                                               "enum": ["text"]}}}),
                 parallel_tool_calls=_opt({"type": "boolean"}))}
     flags = {"add_special_tokens": _opt({"type": "boolean"}),
              "return_token_strs": _opt({"type": "boolean"}), "model": _opt({"type": "string"})}
     tokenize = {"oneOf": [
-        {"type": "object", "additionalProperties": False, "required": ["prompt"],
+        {"type": "object", "required": ["prompt"],
          "properties": dict(flags, prompt={"type": "string"})},
-        {"type": "object", "additionalProperties": False, "required": ["messages"],
+        {"type": "object", "required": ["messages"],
          "properties": dict(flags, messages=messages,
                             add_generation_prompt=_opt({"type": "boolean"}))}]}
-    detokenize = {"type": "object", "additionalProperties": False, "required": ["tokens"],
+    detokenize = {"type": "object", "required": ["tokens"],
                   "properties": {"model": _opt({"type": "string"}),
                                  "tokens": {"type": "array", "items": token}}}
     error = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -132,18 +161,29 @@ def openapi_document(cfg, served_name: str, vocab_size: int) -> dict:
         "status": {"type": "string", "enum": ["ok", "degraded"]},
         "reason": {"type": "string"}, "schedulers": {"type": "array", "items": {"type": "string"}}}}
 
+    headers = [
+        {"name": "X-Request-Id", "in": "header", "required": False,
+         "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,100}$"},
+         "description": "the request's id (cmpl-<it>), echoed in the response"},
+        {"name": "X-Resumable-Stream", "in": "header", "required": False,
+         "schema": {"type": "string"},
+         "description": "\"true\": a resumable stream (one prompt): event ids, keep-alives, "
+                        "and the request outlives a dropped connection by resume_grace_s"}]
+
     def generation(schema: str, summary: str) -> dict:
         return {"post": {
             "summary": summary,
+            "parameters": headers,
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
             "responses": {
                 "200": {"description": "the completion (JSON), or with stream=true server-sent "
-                                       "events whose ids can resume the stream",
+                                       "events (with header X-Resumable-Stream: true, events "
+                                       "whose ids can resume the stream)",
                         "content": {"application/json": {"schema": obj},
                                     "text/event-stream": {"schema": sse}}},
-                "400": _error("invalid parameters, malformed JSON, unknown field, prompt too "
-                              "long, or refused by the scheduler"),
+                "400": _error("invalid parameters, malformed JSON, prompt too long, or "
+                              "refused by the scheduler"),
                 "401": _error("missing or wrong API key"),
                 "404": _error("unknown model"),
                 "413": _error(f"body over {cfg.max_body_bytes} bytes"),
@@ -202,6 +242,7 @@ def openapi_document(cfg, served_name: str, vocab_size: int) -> dict:
                                     "application/json": {"schema": health}}}
                                     for c, d in (("200", "ok"), ("503", "degraded"))}}},
             "/ping": plain("get", "Liveness: 200 while the process is up", codes=()),
+            "/version": plain("get", "The server's version (vLLM's shape)", codes=()),
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "text exposition",
                 "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

@@ -8,14 +8,18 @@ scheduler's blocks once every choice has ended.
 
 Usage counts generated tokens: those shown, plus the stop token that ended a choice (it
 was generated; vLLM counts it too), summed over the n choices.
+
+Echo (completions): each choice's first delta starts with the prompt's text and, with
+logprobs, the prompt tokens' logprobs (the first one null: nothing precedes it). With
+`max_tokens: 0` the one token the scheduler ran (it always samples one) is dropped: the
+choice ends with "length" and counts no completion token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStrings, TokenVocab
-from services.gateway.protocol import ResponseSpec
-from shared.messages import RequestOutput, SeqDelta, TokenLogprob
+from shared.messages import RequestOutput, SeqDelta, StreamHeader, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -24,17 +28,19 @@ class ChoiceDelta:
 
     index: int
     text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token counted
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per token counted
     text_offsets: list[int] = field(default_factory=list)       # chars before each token's text
     finish_reason: str | None = None
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    echo_ids: list[int] = field(default_factory=list)  # echo with logprobs: the prompt's ids;
+    # `logprobs` then starts with one entry per prompt token after the first (None if unknown)
 
 
 class _Choice:
     __slots__ = ("index", "detok", "stop", "min_tokens", "num_tokens", "chars",
                  "finish_reason", "stop_reason", "text_parts")
 
-    def __init__(self, index: int, spec: ResponseSpec, vocab: TokenVocab) -> None:
+    def __init__(self, index: int, spec: StreamHeader, vocab: TokenVocab) -> None:
         self.index = index
         self.detok = IncrementalDetokenizer(vocab, spec.skip_special_tokens)
         self.stop = StopStrings(spec.stop, spec.include_stop_str_in_output) if spec.stop else None
@@ -72,6 +78,10 @@ class _Choice:
                 parts.append(self.stop.flush())
             if d.stop_token_id is not None:
                 self.num_tokens += 1
+                if want_logprobs and len(d.logprobs) > len(d.token_ids):
+                    # the stop token is reported with its logprob (no text), as vLLM does
+                    out.text_offsets.append(self.chars)
+                    out.logprobs.append(d.logprobs[len(d.token_ids)])
             if hit is not None:
                 self._end(out, "stop", hit)
             else:
@@ -102,12 +112,22 @@ class _Choice:
         return out
 
 
+def _join(first: ChoiceDelta, then: ChoiceDelta) -> ChoiceDelta:
+    """One delta for what a choice gained in two parts of one output (echo, then tokens)."""
+    return ChoiceDelta(then.index, first.text + then.text, first.logprobs + then.logprobs,
+                       first.text_offsets + then.text_offsets, then.finish_reason,
+                       then.stop_reason, first.echo_ids)
+
+
 class OutputProcessor:
     """One request's output state on the gateway. Feed RequestOutputs in stream order."""
 
-    def __init__(self, spec: ResponseSpec, vocab: TokenVocab) -> None:
-        self.spec = spec
+    def __init__(self, spec: StreamHeader, vocab: TokenVocab) -> None:
+        self.spec, self.vocab = spec, vocab
         self.choices = [_Choice(i, spec, vocab) for i in range(spec.n)]
+        self.base = spec.prompt_index * spec.n   # choice j is numbered base + j in responses
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None   # as the scheduler sent
+        self._echoed = not spec.echo
         self.scheduler_finished = False   # the scheduler has released the request
         # Choices that ended here at a stop string while the scheduler still runs their
         # sequence (n > 1): the caller stops each one (an abort of that index), then clears.
@@ -123,10 +143,20 @@ class OutputProcessor:
             self.error = (out.error, code)
             return []
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         changed: dict[int, ChoiceDelta] = {}
+        if not self._echoed:
+            self._echoed = True
+            for c in self.choices:
+                changed[c.index] = self._echo(c)
         for d in out.seqs:
             if 0 <= d.index < len(self.choices) and not self.choices[d.index].done:
+                if self.spec.hide_output:    # max_tokens 0: the token run is not an answer
+                    d = SeqDelta(d.index, [], finish_reason="length")
                 delta = self.choices[d.index].advance(d, self.spec.logprobs is not None)
+                if delta is not None and d.index in changed:
+                    delta = _join(changed[d.index], delta)
                 if delta is not None:
                     changed[d.index] = delta
                     if delta.finish_reason is not None and d.finish_reason is None:
@@ -136,7 +166,32 @@ class OutputProcessor:
             for c in self.choices:
                 if not c.done:
                     changed[c.index] = c.force_end("abort")
+        for delta in changed.values():       # this prompt's choices among all prompts'
+            delta.index += self.base
         return [changed[i] for i in sorted(changed)]
+
+    def _echo(self, c: _Choice) -> ChoiceDelta:
+        """The prompt as the start of choice c: its text, and logprobs when asked."""
+        ids = self.spec.prompt_token_ids
+        detok = IncrementalDetokenizer(self.vocab, self.spec.skip_special_tokens)
+        out = ChoiceDelta(c.index)
+        pieces = []
+        for t in ids:
+            out.text_offsets.append(c.chars)
+            pieces.append(detok.push(t))
+            c.chars += len(pieces[-1])
+        pieces.append(detok.finish())
+        c.chars += len(pieces[-1])
+        out.text = "".join(pieces)
+        c.text_parts.append(out.text)
+        if self.spec.logprobs is None:
+            out.text_offsets = []
+        elif ids:
+            given = self.prompt_logprobs or []
+            out.echo_ids = list(ids)
+            # None where the scheduler sent none (it sends them whenever echo asks)
+            out.logprobs = [given[i] if i < len(given) else None for i in range(1, len(ids))]
+        return out
 
     @property
     def done(self) -> bool:
@@ -151,9 +206,16 @@ class OutputProcessor:
         return "".join(self.choices[index].text_parts)
 
     def usage(self) -> dict:
-        completion = sum(c.num_tokens for c in self.choices)
-        usage = {"prompt_tokens": self.spec.prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": self.spec.prompt_tokens + completion}
-        if self.num_cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
-        return usage
+        return usage_of([self])
+
+
+def usage_of(procs: list[OutputProcessor]) -> dict:
+    """OpenAI's usage object, summed over the prompts of one request."""
+    prompt = sum(p.spec.prompt_tokens for p in procs)
+    completion = sum(c.num_tokens for p in procs for c in p.choices)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion}
+    cached = sum(p.num_cached_tokens for p in procs)
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage

@@ -11,6 +11,11 @@ from typing import Any
 from services.gateway.validation import Fields, bad, kind, text
 
 ROLES = ("system", "developer", "user", "assistant")
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_TEMPLATE_OWN = frozenset({"conversation", "tools", "documents", "chat_template",
+                           "add_generation_prompt", "continue_final_message", "tokenize",
+                           "padding", "truncation", "max_length", "return_tensors",
+                           "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class PromptBuilder:
@@ -35,28 +40,34 @@ class PromptBuilder:
                           f"(0 to {self.vocab.size - 1})", param)
         return v
 
-    def completion(self, v: Any, add_special: bool) -> list[int]:
-        """Token ids of a /v1/completions `prompt` (text, token ids, or a list of one)."""
+    def completions(self, v: Any, add_special: bool, max_prompts: int) -> list[list[int]]:
+        """Token ids of each prompt of a /v1/completions `prompt`: a text, token ids, or a
+        list of texts or of token-id lists (several prompts)."""
         if v is None:
             raise bad("prompt is required", "prompt")
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            if len(v) > 1:
-                raise bad(f"prompt holds {len(v)} prompts; this server takes one prompt per "
-                          "request: send one request for each", "prompt")
-            v = v[0]
+            if len(v) > max_prompts:
+                raise bad(f"prompt holds {len(v)} prompts; at most {max_prompts} are taken in "
+                          "one request", "prompt")
+            return [self._one_prompt(p, add_special, f"prompt[{i}]") for i, p in enumerate(v)]
+        return [self._one_prompt(v, add_special, "prompt")]
+
+    def _one_prompt(self, v: Any, add_special: bool, param: str) -> list[int]:
         if isinstance(v, str):
-            ids = self.encode(text(v, "prompt"), add_special)
+            ids = self.encode(text(v, param), add_special)
         elif isinstance(v, list):
-            ids = self.token_ids(v, "prompt")
+            ids = self.token_ids(v, param)
         else:
-            raise bad(f"prompt must be a string or an array of token ids, got {kind(v)}",
-                      "prompt")
+            raise bad(f"{param} must be a string or an array of token ids, got {kind(v)}", param)
         if not ids:
-            raise bad("prompt is empty: send some text or token ids", "prompt")
+            raise bad(f"{param} is empty: send some text or token ids", param)
         return ids
 
-    def chat(self, v: Any, add_generation_prompt: bool, add_special: bool = False) -> list[int]:
-        """Token ids of `messages` rendered by the chat template; 400 on a bad message."""
+    def chat(self, v: Any, add_generation_prompt: bool, add_special: bool = False, *,
+             continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of `messages` rendered by the chat template; 400 on a bad message.
+        `continue_final`: the last (assistant) message is left open for the model to go on
+        (vLLM's continue_final_message); `template_kwargs` reach the template as variables."""
         if not isinstance(v, list) or not v:
             raise bad("messages must be a non-empty array of {role, content} objects", "messages")
         msgs = []
@@ -70,9 +81,14 @@ class PromptBuilder:
             mf.str("name", None)
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": self._content(mf.raw("content"), where + "content")})
+        if continue_final and msgs[-1]["role"] != "assistant":
+            raise bad("continue_final_message needs an assistant message last",
+                      "continue_final_message")
+        extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_OWN}
         try:
             rendered = self.tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+                msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final, **extra)
         except Exception as exc:   # a template may raise anything (jinja2 errors, ValueError)
             raise bad(f"the model's chat template rejected these messages: {exc}",
                       "messages") from None

@@ -1,19 +1,24 @@
 """OpenAI request bodies in, validated `GenerationRequest`s out: nothing invalid reaches Redis.
 
 Every check raises `ApiError` with the status, the offending parameter and what to do.
-Choices (documented in /openapi.json too):
+Choices, as vLLM's OpenAI server makes them unless said otherwise (documented in
+/openapi.json too):
 
-- Unknown top-level fields are refused (400 naming the field) rather than silently
-  ignored, so a typo like `max_token` cannot go unnoticed. OpenAI fields this server
-  does not implement (tools, logit_bias, echo, ...) are accepted only at their neutral
-  value. `user` is accepted and ignored.
+- Unknown fields, and documented OpenAI fields that do not apply to a local server
+  (`store`, `metadata`, `service_tier`, `reasoning_effort`, `prompt_cache_key`,
+  `functions: null`, ...), are accepted and ignored; each ignored name is logged once.
+  Fields this server knows keep strict value checks (types, ranges, NaN, sizes). OpenAI
+  fields it knows but cannot honour (`tools`, `response_format` other than text, `suffix`)
+  are accepted only at their neutral value.
 - `use_beam_search` (vLLM's extension): beam width = max(n, best_of); the `n` best beams
   are returned. Without beam search, `best_of` must equal `n` when given.
 - Defaults: max_tokens 16 for /v1/completions (OpenAI's), all the remaining context for
-  chat. prompt + max_tokens must fit in max_model_len, else 400 naming both lengths.
+  chat. prompt + max_tokens must fit in max_model_len, else 400 worded as OpenAI words it.
 - `top_k` -1 or 0 disables it; `logprobs` is capped at `max_logprobs` (20).
 - The EOS token joins stop_token_ids unless `ignore_eos`.
-- One prompt per request: a list of several prompts is refused (send one request each).
+- /v1/completions takes several prompts (a list of strings or of token-id lists): one
+  `GenerationRequest` each, choices numbered prompt_index * n + j. `max_tokens: 0` (with
+  `echo`, for scoring a prompt) runs one token that is neither shown nor counted.
 - `stream_options` is validated always but only read with stream=true (some clients send
   it on every request).
 """
@@ -21,49 +26,28 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.prompt import PromptBuilder
 from services.gateway.validation import ApiError, Fields, bad, kind, or_default, text
-from shared.messages import GenerationRequest, SamplingParams
+from shared.messages import GenerationRequest, SamplingParams, StreamHeader
 
 _INT64 = (-(2**63), 2**63 - 1)
 _INT32 = (-(2**31), 2**31 - 1)
-
-
-@dataclass(slots=True)
-class ResponseSpec:
-    """All a response needs besides the tokens; stored as the output stream's header entry
-    so that any gateway replica can replay the stream for a resuming client."""
-
-    kind: str                        # "completion" | "chat"
-    request_id: str
-    model: str
-    created: int                     # unix seconds
-    n: int                           # choices (beams returned with beam search)
-    prompt_tokens: int
-    stream: bool = False
-    include_usage: bool = False      # stream_options.include_usage
-    logprobs: int | None = None      # top-k per token; None: no logprobs
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0              # stop strings apply from this many new tokens on (vLLM)
-
-    def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ResponseSpec":
-        """Raises TypeError on a header this build does not understand."""
-        return cls(**d)
+MAX_LOGIT_BIAS = 1024          # entries of logit_bias
+MAX_BAD_WORDS = 64             # bad_words entries
 
 
 @dataclass(slots=True)
 class Parsed:
-    spec: ResponseSpec
-    request: GenerationRequest
+    """One request: a header and a GenerationRequest per prompt (one, except for a
+    /v1/completions list of prompts). `response_id` is the id clients see."""
+
+    response_id: str
+    headers: list[StreamHeader]
+    requests: list[GenerationRequest]
+    resumable: bool = False
 
 
 _SAMPLING = frozenset({
@@ -71,39 +55,45 @@ _SAMPLING = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "priority",
     "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
-    "user", "logit_bias"})
+    "user", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "return_tokens_as_token_ids", "prompt_logprobs"})
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                            "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                           "add_generation_prompt"}
+                           "add_generation_prompt", "continue_final_message",
+                           "chat_template_kwargs"}
 
 
 class RequestParser:
     """Validates bodies and builds prompts (on the event loop, or the tokenizer thread for
     large bodies)."""
 
-    def __init__(self, config, tokenizer, vocab, served_name: str) -> None:
+    def __init__(self, config, tokenizer, vocab, served_names: list[str]) -> None:
         self.cfg, self.tokenizer, self.vocab = config, tokenizer, vocab
-        self.served_name = served_name
+        self.served_names = served_names
         self.prompts = PromptBuilder(tokenizer, vocab)
 
     # ------------------------------------------------------------ endpoints
-    def completion(self, body: Any) -> Parsed:
+    def completion(self, body: Any, request_id: str | None = None,
+                   resumable: bool = False) -> Parsed:
         f = Fields(body, COMPLETION_FIELDS)
         self.model(f)
-        f.neutral("echo", False)
         f.neutral("suffix", "")
-        f.neutral("logit_bias", {})
+        echo = f.bool("echo", False)
         logprobs = f.int("logprobs", None, 0, self.cfg.max_logprobs)
         s = self._sampling(f)
-        prompt = self.prompts.completion(f.raw("prompt"), f.bool("add_special_tokens", True))
-        return self._build("completion", "cmpl", f, s, prompt,
-                           [("max_tokens", f.int("max_tokens", None, 1))], 16, logprobs, "prompt")
+        prompts = self.prompts.completions(f.raw("prompt"), f.bool("add_special_tokens", True),
+                                           self.cfg.max_prompts)
+        if resumable and len(prompts) > 1:
+            raise bad("a resumable stream takes one prompt: send one request per prompt, or "
+                      "drop the X-Resumable-Stream header", "prompt")
+        asked = f.int("max_tokens", None, 0)
+        return self._build("completion", "cmpl", f, s, prompts, [("max_tokens", asked)], 16,
+                           logprobs, "prompt", request_id, resumable, echo=echo)
 
-    def chat(self, body: Any) -> Parsed:
+    def chat(self, body: Any, request_id: str | None = None, resumable: bool = False) -> Parsed:
         f = Fields(body, CHAT_FIELDS)
         self.model(f)
-        f.neutral("logit_bias", {})
         f.neutral("tools", [])
         f.neutral("tool_choice", "none")
         f.neutral("response_format", {"type": "text"})
@@ -116,9 +106,19 @@ class RequestParser:
         # OpenAI's newer name wins over the older one; both must fit the context
         max_tokens = [("max_completion_tokens", f.int("max_completion_tokens", None, 1)),
                       ("max_tokens", f.int("max_tokens", None, 1))]
-        prompt = self.prompts.chat(f.raw("messages"), f.bool("add_generation_prompt", True))
-        return self._build("chat", "chatcmpl", f, s, prompt, max_tokens, None,
-                           (top or 0) if want else None, "messages")
+        generation_prompt = f.bool("add_generation_prompt", True)
+        continue_final = f.bool("continue_final_message", False)
+        if generation_prompt and continue_final and "add_generation_prompt" in f.body:
+            raise bad("continue_final_message and add_generation_prompt cannot both be true",
+                      "continue_final_message")
+        kwargs = f.raw("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise bad(f"chat_template_kwargs must be an object, got {kind(kwargs)}",
+                      "chat_template_kwargs")
+        prompt = self.prompts.chat(f.raw("messages"), generation_prompt and not continue_final,
+                                   continue_final=continue_final, template_kwargs=kwargs)
+        return self._build("chat", "chatcmpl", f, s, [prompt], max_tokens, None,
+                           (top or 0) if want else None, "messages", request_id, resumable)
 
     def tokenize(self, body: Any) -> dict:
         """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the template."""
@@ -149,10 +149,8 @@ class RequestParser:
     # ------------------------------------------------------------ pieces
     def model(self, f: Fields) -> None:
         name = f.str("model", None)
-        if name is not None and name != self.served_name:
-            raise ApiError(404, f"the model {name!r} does not exist: this server serves "
-                                f"{self.served_name!r} (see GET /v1/models)",
-                           param="model", code="model_not_found")
+        if name is not None and name not in self.served_names:
+            raise model_not_found(name, self.served_names)
 
     def _sampling(self, f: Fields) -> dict:
         cfg = self.cfg
@@ -164,10 +162,12 @@ class RequestParser:
         if not beam and best_of not in (None, n):
             raise bad("best_of > n is only supported with use_beam_search=true", "best_of")
         stream = f.bool("stream", False)
-        include_usage = False
+        include_usage = continuous = False
         if f.raw("stream_options") is not None:   # checked always, read only when streaming
-            so = Fields(f.raw("stream_options"), frozenset({"include_usage"}), "stream_options.")
+            so = Fields(f.raw("stream_options"),
+                        frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
             include_usage = so.bool("include_usage", False) and stream
+            continuous = so.bool("continuous_usage_stats", False) and include_usage
         f.str("user", None)
         top_k = f.int("top_k", 0, -1, _INT32[1])
         return dict(
@@ -184,12 +184,60 @@ class RequestParser:
             min_tokens=f.int("min_tokens", 0, 0),
             stop_token_ids=self.prompts.token_ids(or_default(f.raw("stop_token_ids"), []),
                                                   "stop_token_ids", allow_empty=True, limit=256),
+            prompt_logprobs=f.int("prompt_logprobs", None, 0, cfg.max_logprobs),
+            logit_bias=self._logit_bias(f.raw("logit_bias")),
+            allowed_token_ids=(None if f.raw("allowed_token_ids") is None else
+                               self.prompts.token_ids(f.raw("allowed_token_ids"),
+                                                      "allowed_token_ids")),
+            bad_words_ids=self._bad_words(f.raw("bad_words")),
             # gateway-side, not SamplingParams:
-            _stream=stream, _include_usage=include_usage, _stop=self._stop(f.raw("stop")),
+            _stream=stream, _include_usage=include_usage, _continuous=continuous,
+            _stop=self._stop(f.raw("stop")),
             _ignore_eos=f.bool("ignore_eos", False),
             _include_stop=f.bool("include_stop_str_in_output", False),
             _skip_special=f.bool("skip_special_tokens", True),
+            _tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
+            _truncate=f.int("truncate_prompt_tokens", None, 1),
             _priority=f.int("priority", 0, *_INT32))
+
+    def _logit_bias(self, v: Any) -> dict[int, float]:
+        """OpenAI's {"<token id>": bias}: ids of this vocabulary, biases in [-100, 100]."""
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise bad(f"logit_bias must be an object of token id -> bias, got {kind(v)}",
+                      "logit_bias")
+        if len(v) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(v)}",
+                      "logit_bias")
+        f = Fields(v, frozenset(v), "logit_bias.")
+        out = {}
+        for key in v:
+            if not (key.isascii() and key.isdigit() and int(key) < self.vocab.size):
+                raise bad(f"logit_bias keys must be token ids of this model (0 to "
+                          f"{self.vocab.size - 1}), got {key[:32]!r}", "logit_bias")
+            out[int(key)] = f.float(key, 0.0, -100.0, 100.0)
+        return out
+
+    def _bad_words(self, v: Any) -> list[list[int]]:
+        """vLLM's bad_words: each word's token ids as written and with a leading space (its
+        form inside a sentence), so it is banned at the start and in the middle of text."""
+        if v is None:
+            return []
+        if not isinstance(v, list) or len(v) > MAX_BAD_WORDS:
+            raise bad(f"bad_words must be an array of at most {MAX_BAD_WORDS} strings",
+                      "bad_words")
+        out: list[list[int]] = []
+        for i, word in enumerate(v):
+            word = text(word, f"bad_words[{i}]").strip()
+            if not word or len(word) > self.cfg.max_stop_chars:
+                raise bad(f"bad_words[{i}] must be 1 to {self.cfg.max_stop_chars} characters",
+                          "bad_words")
+            for form in (word, " " + word):
+                ids = self.prompts.encode(form, False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _stop(self, v: Any) -> list[str]:
         if v is None:
@@ -207,38 +255,75 @@ class RequestParser:
                           "stop")
         return list(dict.fromkeys(stops))
 
-    def _build(self, kind: str, id_prefix: str, f: Fields, s: dict, prompt: list[int],
-               asked: list[tuple[str, int | None]], default_max: int | None,
-               logprobs: int | None, prompt_param: str) -> Parsed:
-        limit, plen = self.cfg.max_model_len, len(prompt)
+    def _max_tokens(self, plen: int, asked: list[tuple[str, int | None]],
+                    default_max: int | None, prompt_param: str) -> int:
+        """The new tokens to ask for: the first value given, else the default; 400 in
+        OpenAI's words when the prompt and the completion do not fit the context."""
+        limit = self.cfg.max_model_len
         room = limit - plen
         if room < 1:
-            raise bad(f"the prompt is {plen} tokens, but this model's context is {limit} tokens "
-                      "including at least one new token: shorten the prompt", prompt_param,
-                      "context_length_exceeded")
+            raise bad(f"This model's maximum context length is {limit} tokens. However, your "
+                      f"prompt is {plen} tokens, and at least one new token must fit. Please "
+                      "reduce the length of the prompt.", prompt_param, "context_length_exceeded")
         for param, value in asked:
             if value is not None and value > room:
-                raise bad(f"{param}={value} plus the prompt's {plen} tokens exceeds this "
-                          f"model's context of {limit} tokens: ask for at most {room} new tokens",
-                          param, "context_length_exceeded")
+                raise bad(f"This model's maximum context length is {limit} tokens. However, you "
+                          f"requested {plen + value} tokens ({plen} in the prompt, {value} for "
+                          f"the completion). Please reduce the length of the prompt or "
+                          f"{param} (at most {room} here).", param, "context_length_exceeded")
         max_tokens = next((v for _p, v in asked if v is not None), None)
         if max_tokens is None:
             max_tokens = min(default_max, room) if default_max else room
-        if s["min_tokens"] > max_tokens:
-            raise bad(f"min_tokens ({s['min_tokens']}) must not exceed max_tokens ({max_tokens})",
-                      "min_tokens")
+        return max_tokens
+
+    def _build(self, kind: str, id_prefix: str, f: Fields, s: dict, prompts: list[list[int]],
+               asked: list[tuple[str, int | None]], default_max: int | None,
+               logprobs: int | None, prompt_param: str, request_id: str | None,
+               resumable: bool, echo: bool = False) -> Parsed:
+        extras = {k: s.pop(k) for k in list(s) if k.startswith("_")}
+        if s["prompt_logprobs"] is not None and extras["_stream"]:
+            raise bad("prompt_logprobs is not available with stream=true (as in vLLM): ask "
+                      "without streaming, or use echo with logprobs", "prompt_logprobs")
+        if extras["_truncate"] is not None:     # vLLM: keep the prompt's last k tokens
+            prompts = [p[-extras["_truncate"]:] for p in prompts]
         stop_ids = list(s["stop_token_ids"])
         eos = self.vocab.eos_token_id
-        if not s["_ignore_eos"] and eos is not None and eos not in stop_ids:
+        if not extras["_ignore_eos"] and eos is not None and eos not in stop_ids:
             stop_ids.append(eos)
-        extras = {k: s.pop(k) for k in list(s) if k.startswith("_")}
         s["stop_token_ids"] = stop_ids
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **s)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        shown_prompt_lp = s["prompt_logprobs"]
+        if echo and logprobs is not None:
+            s["prompt_logprobs"] = max(logprobs, s["prompt_logprobs"] or 0)
+        hide = any(v == 0 for _p, v in asked)  # scoring a prompt: one token run, then dropped
+        params = []
+        for prompt in prompts:
+            max_tokens = self._max_tokens(len(prompt), asked, default_max, prompt_param)
+            if s["min_tokens"] > max_tokens:
+                raise bad(f"min_tokens ({s['min_tokens']}) must not exceed max_tokens "
+                          f"({max_tokens})", "min_tokens")
+            params.append(SamplingParams(max_tokens=max(max_tokens, 1), logprobs=logprobs, **s))
+        response_id = f"{id_prefix}-{request_id or uuid.uuid4().hex}"
         now = time.time()
-        spec = ResponseSpec(kind, request_id, self.served_name, int(now), params.n, plen,
-                            extras["_stream"], extras["_include_usage"], logprobs,
-                            extras["_stop"], extras["_include_stop"], extras["_skip_special"],
-                            params.min_tokens)
-        return Parsed(spec, GenerationRequest(request_id, prompt, params,
-                                              priority=extras["_priority"], arrival_time=now))
+        headers, requests = [], []
+        for i, prompt in enumerate(prompts):
+            rid = response_id if len(prompts) == 1 else f"{response_id}-{i}"
+            headers.append(StreamHeader(
+                kind, rid, self.served_names[0], int(now), params[i].n, len(prompt),
+                stream=extras["_stream"], include_usage=extras["_include_usage"],
+                continuous_usage=extras["_continuous"], resumable=resumable,
+                logprobs=logprobs, stop=extras["_stop"],
+                include_stop_str_in_output=extras["_include_stop"],
+                skip_special_tokens=extras["_skip_special"], min_tokens=params[i].min_tokens,
+                prompt_index=i, echo=echo, prompt_token_ids=list(prompt) if echo else [],
+                hide_output=hide, prompt_logprobs=shown_prompt_lp,
+                tokens_as_ids=extras["_tokens_as_ids"]))
+            requests.append(GenerationRequest(rid, prompt, params[i], priority=extras["_priority"],
+                                              arrival_time=now))
+        return Parsed(response_id, headers, requests, resumable)
+
+
+def model_not_found(name: str, served: list[str]) -> ApiError:
+    """OpenAI's 404 for a model this server does not serve."""
+    return ApiError(404, f"The model `{name[:256]}` does not exist. This server serves "
+                         f"{', '.join(map(repr, served))} (see GET /v1/models).",
+                    param="model", code="model_not_found")

@@ -1,8 +1,8 @@
 """The gateway's side of Redis: enqueue requests, send aborts, follow output streams.
 
-    submit:  MULTI  XADD out:{id} h=<ResponseSpec JSON>   (the stream's first entry)
+    submit:  MULTI  XADD out:{id} h=<StreamHeader>        (the stream's first entry)
                     EXPIRE out:{id} OUTPUT_TTL_S
-                    XADD requests MAXLEN ~ N m=<GenerationRequest>   EXEC
+                    XADD requests MAXLEN ~ N m=<GenerationRequest>   (per prompt)  EXEC
     follow:  XREAD BLOCK .. out:{id} <last id> ..        (follower.py: one read, all streams)
     abort:   XADD aborts MAXLEN ~ ABORTS_MAXLEN m=<AbortRequest>
     readers: out:{id}:readers   connections following the stream (gateway-private counter)
@@ -15,7 +15,6 @@ command, so the gateway recovers as soon as Redis is back.
 """
 from __future__ import annotations
 
-import json
 import logging
 
 import redis.asyncio as aioredis
@@ -25,13 +24,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.messages import AbortRequest, GenerationRequest, RequestOutput
-from shared.redis_keys import ABORTS_MAXLEN, CONSUMER_GROUP, MSG_FIELD, OUTPUT_TTL_S, RedisKeys
+from shared.messages import AbortRequest, GenerationRequest, RequestOutput, StreamHeader
+from shared.redis_keys import (ABORTS_MAXLEN, CONSUMER_GROUP, HEADER_FIELD, MSG_FIELD,
+                               OUTPUT_TTL_S, RedisKeys)
 from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("pagedserve.gateway")
 
-HEADER_FIELD = b"h"
 READERS_SUFFIX = ":readers"
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -83,21 +82,29 @@ class RequestQueue:
             return await self.redis.xlen(self.keys.requests)
         return await self.call(probe())
 
-    async def submit(self, request: GenerationRequest, header: dict, also=None) -> str:
-        """Enqueue; returns the header entry's id. `also(pipe)` may add commands to the
-        same round trip (the follower's wake-up)."""
-        out = self.keys.output(request.request_id)
+    async def submit(self, requests: list[GenerationRequest], headers: list[StreamHeader],
+                     also=None) -> list[str]:
+        """Enqueue every request (one per prompt) in one transaction; returns their header
+        entries' ids. `also(pipe)` may add commands to the same round trip (the follower's
+        wake-up)."""
         pipe = self.redis.pipeline(transaction=True)
         if also is not None:
             also(pipe)
-        pipe.xadd(out, {HEADER_FIELD: json.dumps(header)})
-        pipe.expire(out, OUTPUT_TTL_S)
-        pipe.incr(out + READERS_SUFFIX)
-        pipe.expire(out + READERS_SUFFIX, OUTPUT_TTL_S)
-        pipe.xadd(self.keys.requests, {MSG_FIELD: encode(request)}, maxlen=self.maxlen,
-                  approximate=True)
+        first = len(pipe.command_stack)
+        for request, header in zip(requests, headers):
+            out = self.keys.output(request.request_id)
+            pipe.xadd(out, {HEADER_FIELD: encode(header)})
+            pipe.expire(out, OUTPUT_TTL_S)
+            pipe.incr(out + READERS_SUFFIX)
+            pipe.expire(out + READERS_SUFFIX, OUTPUT_TTL_S)
+            pipe.xadd(self.keys.requests, {MSG_FIELD: encode(request)}, maxlen=self.maxlen,
+                      approximate=True)
         replies = await self.call(pipe.execute())
-        return replies[-5].decode()
+        return [r.decode() for r in replies[first::5]]
+
+    async def exists(self, request_id: str) -> bool:
+        """Whether request_id already has an output stream (a client-chosen id reused)."""
+        return bool(await self.call(self.redis.exists(self.keys.output(request_id))))
 
     async def abort(self, request_id: str, reason: str, index: int = -1) -> None:
         """Best effort: a lost abort only costs the scheduler the rest of max_tokens.
@@ -126,13 +133,13 @@ class RequestQueue:
         return int(value or 0)
 
     # ------------------------------------------------------------ outputs
-    async def header(self, request_id: str) -> tuple[str, dict] | None:
+    async def header(self, request_id: str) -> tuple[str, StreamHeader] | None:
         """(entry id, header) of a request's output stream, or None if unknown or expired."""
         entries = await self.call(self.redis.xrange(self.keys.output(request_id), count=1))
-        if not entries or HEADER_FIELD not in entries[0][1]:
+        if not entries:
             return None
-        entry_id, fields = entries[0]
-        return entry_id.decode(), json.loads(fields[HEADER_FIELD])
+        header = read_entry(entries[0][0], entries[0][1])
+        return (entries[0][0].decode(), header) if isinstance(header, StreamHeader) else None
 
     async def range(self, request_id: str, after: str, upto: str, count: int = 256
                     ) -> tuple[str, list[tuple[str, RequestOutput]]]:
@@ -169,15 +176,26 @@ class RequestQueue:
                 if v is not None]
 
 
+def read_entry(entry_id: bytes, fields: dict) -> StreamHeader | RequestOutput | None:
+    """What one output-stream entry holds: the stream's header (its first entry, field
+    HEADER_FIELD), an output (MSG_FIELD), or None when it cannot be read (logged)."""
+    for name, cls in ((MSG_FIELD, RequestOutput), (HEADER_FIELD, StreamHeader)):
+        data = fields.get(name)
+        if data is not None:
+            try:
+                return decode(data, cls)
+            except WireError as exc:
+                log.warning("skipping undecodable output-stream entry %s: %s",
+                            entry_id.decode(), exc)
+                return None
+    return None
+
+
 def _outputs(cursor: str, entries) -> tuple[str, list[tuple[str, RequestOutput]]]:
     out = []
     for raw_id, fields in entries:
         cursor = raw_id.decode()
-        data = fields.get(MSG_FIELD)
-        if data is None:
-            continue                     # the header entry
-        try:
-            out.append((cursor, decode(data, RequestOutput)))
-        except WireError as exc:
-            log.warning("skipping undecodable output entry %s: %s", cursor, exc)
+        msg = read_entry(raw_id, fields)
+        if isinstance(msg, RequestOutput):
+            out.append((cursor, msg))
     return cursor, out

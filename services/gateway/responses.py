@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 
 from services.gateway.detokenizer import TokenVocab
-from services.gateway.output import ChoiceDelta, OutputProcessor
-from services.gateway.protocol import ResponseSpec
-from shared.messages import TokenLogprob
+from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
+from shared.messages import StreamHeader, TokenLogprob
 
 _FLOOR = -9999.0
 
@@ -27,45 +26,78 @@ def _lp(x: float) -> float:
     return x if x > _FLOOR else _FLOOR      # also maps NaN-free -inf to the floor
 
 
-def completion_logprobs(vocab: TokenVocab, k: int, lps: list[TokenLogprob],
-                        offsets: list[int]) -> dict:
-    tops = []
-    for lp in lps:
-        top = lp.top[:k] if k else [[lp.token_id, lp.logprob]]
-        tops.append({vocab.piece(t): _lp(v) for t, v in top})
-    return {"tokens": [vocab.piece(lp.token_id) for lp in lps],
-            "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": tops, "text_offset": offsets[:len(lps)]}
-
-
-def chat_logprobs(vocab: TokenVocab, k: int, lps: list[TokenLogprob]) -> dict:
-    def entry(t: int, v: float) -> dict:
-        return {"token": vocab.piece(t), "logprob": _lp(v), "bytes": vocab.piece_bytes(t)}
-
-    return {"content": [dict(entry(lp.token_id, lp.logprob),
-                             top_logprobs=[entry(t, v) for t, v in lp.top[:k]])
-                        for lp in lps]}
-
-
 class Shapes:
-    """Builds the JSON bodies of one request's response."""
+    """Builds the JSON bodies of one request's response (all its prompts' choices)."""
 
-    def __init__(self, spec: ResponseSpec, vocab: TokenVocab) -> None:
+    def __init__(self, spec: StreamHeader, vocab: TokenVocab, response_id: str) -> None:
         self.spec, self.vocab = spec, vocab
         self.chat = spec.kind == "chat"
-        self.base = {"id": spec.request_id,
+        self.base = {"id": response_id,
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": spec.created, "model": spec.model}
 
-    def _logprobs(self, d: ChoiceDelta) -> dict | None:
-        k = self.spec.logprobs
-        if k is None:
-            return None
-        if self.chat:
-            return chat_logprobs(self.vocab, k, d.logprobs)
-        return completion_logprobs(self.vocab, k, d.logprobs, d.text_offsets)
+    def token(self, t: int) -> str:
+        """A token as logprobs name it: its text, or vLLM's "token_id:<id>" when asked."""
+        return f"token_id:{t}" if self.spec.tokens_as_ids else self.vocab.piece(t)
 
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict:
+    def completion_logprobs(self, d: ChoiceDelta) -> dict:
+        k = self.spec.logprobs
+        tokens, values, tops = [], [], []
+        if d.echo_ids:                       # nothing precedes the first prompt token
+            tokens.append(self.token(d.echo_ids[0]))
+            values.append(None)
+            tops.append(None)
+        for i, lp in enumerate(d.logprobs):
+            if lp is None:                   # a prompt position without a logprob
+                tokens.append(self.token(d.echo_ids[i + 1]))
+                values.append(None)
+                tops.append(None)
+                continue
+            top = lp.top[:k] if k else [[lp.token_id, lp.logprob]]
+            tokens.append(self.token(lp.token_id))
+            values.append(_lp(lp.logprob))
+            tops.append({self.token(t): _lp(v) for t, v in top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": d.text_offsets[:len(tokens)]}
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
+        k = self.spec.logprobs
+
+        def entry(t: int, v: float) -> dict:
+            return {"token": self.token(t), "logprob": _lp(v),
+                    "bytes": self.vocab.piece_bytes(t)}
+
+        return {"content": [dict(entry(lp.token_id, lp.logprob),
+                                 top_logprobs=[entry(t, v) for t, v in lp.top[:k]])
+                            for lp in lps if lp is not None]}
+
+    def _logprobs(self, d: ChoiceDelta) -> dict | None:
+        if self.spec.logprobs is None:
+            return None
+        return self.chat_logprobs(d.logprobs) if self.chat else self.completion_logprobs(d)
+
+    def prompt_logprobs(self, proc: OutputProcessor) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}},
+        the token itself and the top-k; None for the first token."""
+        if proc.spec.prompt_logprobs is None:
+            return None
+        k = proc.spec.prompt_logprobs
+        out: list = []
+        for lp in proc.prompt_logprobs or []:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = lp.top[:k]
+            entries = {lp.token_id: (lp.logprob, next(
+                (r + 1 for r, (t, _v) in enumerate(lp.top) if t == lp.token_id), None))}
+            for r, (t, v) in enumerate(ranked):
+                entries.setdefault(t, (v, r + 1))
+            out.append({str(t): {"logprob": _lp(v), "rank": rank,
+                                 "decoded_token": self.token(t)}
+                        for t, (v, rank) in entries.items()})
+        return out
+
+    def chunk(self, deltas: list[ChoiceDelta], usage: dict | None = None) -> dict:
         choices = []
         for d in deltas:
             c = {"index": d.index}
@@ -78,39 +110,46 @@ class Shapes:
             choices.append(c)
         body = dict(self.base, choices=choices)
         if self.spec.include_usage:
-            body["usage"] = None
+            body["usage"] = usage     # None, or the usage so far (continuous_usage_stats)
         return body
 
-    def role_chunk(self) -> dict:
+    def role_chunk(self, indices: list[int], usage: dict | None = None) -> dict:
         """The chat stream's first event: every choice learns its role before any text."""
         body = dict(self.base, choices=[
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None} for i in range(self.spec.n)])
+             "finish_reason": None} for i in indices])
         if self.spec.include_usage:
-            body["usage"] = None
+            body["usage"] = usage
         return body
 
-    def usage_chunk(self, proc: OutputProcessor) -> dict:
-        return dict(self.base, choices=[], usage=proc.usage())
+    def usage_chunk(self, procs: list[OutputProcessor]) -> dict:
+        return dict(self.base, choices=[], usage=usage_of(procs))
 
-    def whole(self, proc: OutputProcessor, deltas_by_choice: list[list[ChoiceDelta]]) -> dict:
+    def whole(self, procs: list[OutputProcessor],
+              deltas_by_choice: dict[int, list[ChoiceDelta]]) -> dict:
         """The non-streamed response, from every delta each choice produced."""
         choices = []
-        for c, deltas in zip(proc.choices, deltas_by_choice):
-            merged = ChoiceDelta(c.index, proc.text(c.index),
-                                 [lp for d in deltas for lp in d.logprobs],
-                                 [o for d in deltas for o in d.text_offsets],
-                                 c.finish_reason, c.stop_reason)
-            lps = self._logprobs(merged)
-            if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant",
-                                                              "content": merged.text},
-                                "logprobs": lps, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
-            else:
-                choices.append({"index": c.index, "text": merged.text, "logprobs": lps,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": self.spec.request_id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.spec.created, "model": self.spec.model,
-                "choices": choices, "usage": proc.usage()}
+        for proc in procs:
+            prompt_lps = self.prompt_logprobs(proc)
+            for c in proc.choices:
+                deltas = deltas_by_choice.get(proc.base + c.index, [])
+                merged = ChoiceDelta(proc.base + c.index, proc.text(c.index),
+                                     [lp for d in deltas for lp in d.logprobs],
+                                     [o for d in deltas for o in d.text_offsets],
+                                     c.finish_reason, c.stop_reason,
+                                     next((d.echo_ids for d in deltas if d.echo_ids), []))
+                choice = {"index": merged.index}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": merged.text}
+                else:
+                    choice["text"] = merged.text
+                choice.update(logprobs=self._logprobs(merged), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason)
+                if prompt_lps is not None and not self.chat:
+                    choice["prompt_logprobs"] = prompt_lps
+                choices.append(choice)
+        body = dict(self.base, object="chat.completion" if self.chat else "text_completion",
+                    choices=choices, usage=usage_of(procs))
+        if self.chat and procs[0].spec.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(procs[0])
+        return body

@@ -1,8 +1,13 @@
-"""Answering one generation request from its Redis output stream: SSE events or one JSON body.
+"""Answering one generation request from its Redis output streams: SSE events or one JSON body.
 
-Event ids. Every SSE event made from a Redis entry carries `id: <entry id>`; one entry
-makes at most one event (all choices that changed, together), so `Last-Event-ID` names
-exactly what a client has seen:
+A request has one output stream per prompt (/v1/completions takes several prompts); the
+response merges them, choices numbered prompt_index * n + j, usage summed.
+
+Plain SSE by default, as OpenAI and vLLM send it: `data: {...}` events, then `data: [DONE]`,
+nothing else. A client that sends `X-Resumable-Stream: true` (one prompt) gets a resumable
+stream instead: every event made from a Redis entry carries `id: <entry id>`, a `: keep-alive`
+comment follows each keepalive_s of silence, and the request outlives a dropped connection
+by resume_grace_s:
 
     id: <header entry>   chat only: {"delta": {"role": "assistant"}} for every choice
     id: <entry 1>        choices that changed in RequestOutput 1
@@ -14,31 +19,33 @@ Resumption: GET /v1/streams/{request_id} with `Last-Event-ID: <id>` (or the quer
 parameter `last_event_id`) replays the stream silently up to that id, rebuilding the
 detokenizer and stop-string state, then streams what follows exactly as the first
 connection would have (same ids, same text). Without an id it streams from the start.
-Any replica can serve it: the stream's header entry holds the response spec.
+Any replica can serve it: the stream's header entry holds the `StreamHeader`.
 
 Outputs arrive through the process-wide `StreamFollower` (one XREAD for all streams).
 Disconnects are watched all along: the client's `http.disconnect` ends the wait for the
-next output at once, and the request is aborted at once, unless another connection (a
-resumed one) still follows it. With `abort_grace_s` > 0 the gateway first waits that long
-for the client to come back with Last-Event-ID.
+next output at once. A plain request is then aborted at once (every prompt of it). A
+resumable one keeps running: the gateway goes on reading its outputs for resume_grace_s
+and aborts it only if it is still running then and no connection follows it again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from services.gateway.follower import Subscription, stream_id
-from services.gateway.output import OutputProcessor
-from services.gateway.protocol import ResponseSpec
+from services.gateway.follower import Subscription, next_outputs, stream_id
+from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
 from services.gateway.queue import QueueUnavailable
 from services.gateway.responses import Shapes, dumps
 from services.gateway.validation import ApiError
+from shared.messages import StreamHeader
 
 log = logging.getLogger("pagedserve.gateway")
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 DONE = b"data: [DONE]\n\n"
+RESUMABLE_HEADER = "x-resumable-stream"     # request header that opts in (value "true" or "1")
+GRACE_POLL_S = 0.25                         # during the grace period: how often readers are read
 
 
 def event(entry_id: str | None, body: dict) -> bytes:
@@ -46,139 +53,195 @@ def event(entry_id: str | None, body: dict) -> bytes:
     return head + b"data: " + dumps(body) + b"\n\n"
 
 
+class Part:
+    """One prompt's output stream and its state on this connection."""
+
+    __slots__ = ("spec", "header_id", "sub", "proc")
+
+    def __init__(self, spec: StreamHeader, header_id: str, sub: Subscription | None,
+                 vocab) -> None:
+        self.spec, self.header_id, self.sub = spec, header_id, sub
+        self.proc = OutputProcessor(spec, vocab)
+
+
 class GenerationStream:
     """The ASGI response of a generation (or of a resumed stream)."""
 
-    def __init__(self, gw, spec: ResponseSpec, header_id: str, *, resumed: bool = False,
-                 last_event_id: str | None = None, sub: Subscription | None = None) -> None:
-        self.gw, self.spec, self.header_id = gw, spec, header_id
+    def __init__(self, gw, response_id: str, parts: list[Part], *, resumed: bool = False,
+                 last_event_id: str | None = None, echo_request_id: str | None = None) -> None:
+        self.gw, self.parts, self.response_id = gw, parts, response_id
+        self.spec = parts[0].spec
         self.resumed, self.last_event_id = resumed, last_event_id
-        self.proc = OutputProcessor(spec, gw.vocab)
-        self.shapes = Shapes(spec, gw.vocab)
-        self.cursor = header_id    # where following the stream starts
-        self.gone = False          # the client disconnected
-        self.sub = sub             # already following (fresh requests) or None (resumed)
+        self.resumable = resumed or self.spec.resumable
+        self.procs = [p.proc for p in parts]
+        self.shapes = Shapes(self.spec, gw.vocab, response_id)
+        self.cursor = parts[0].header_id    # resumed: where following the stream starts
+        self.gone = False                   # the client disconnected
+        # the response's X-Request-Id: the client's own when it sent one
+        self.x_request_id = (echo_request_id or response_id).encode()
+
+    @property
+    def done(self) -> bool:
+        return all(p.done for p in self.procs)
+
+    def _error(self) -> tuple[str, int] | None:
+        return next((p.error for p in self.procs if p.error is not None), None)
 
     async def __call__(self, scope, receive, send) -> None:
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
             self.gone = True
-            if self.sub is not None:
-                self.sub.interrupt()
+            for part in self.parts:
+                if part.sub is not None:
+                    part.sub.interrupt()
 
         watcher = asyncio.ensure_future(watch())
         self.gw.metrics.streams.inc()
         try:
-            if self.sub is None:
-                await self.gw.queue.attach(self.spec.request_id)
+            if self.resumed:
+                part = self.parts[0]
+                await self.gw.queue.attach(part.spec.request_id)
                 await self._replay()
-                self.sub = await self.gw.follower.subscribe(self.spec.request_id, self.cursor)
+                part.sub = await self.gw.follower.subscribe(part.spec.request_id, self.cursor)
             if self.spec.stream or self.resumed:
                 await self._sse(send)
             else:
                 await self._unary(send)
         finally:
             watcher.cancel()
-            if self.sub is not None:
-                self.gw.follower.unsubscribe(self.sub)
+            for part in self.parts:
+                if part.sub is not None:
+                    self.gw.follower.unsubscribe(part.sub)
             self.gw.metrics.streams.dec()
 
     # ------------------------------------------------------------ reading
     async def _next(self, wait_s: float):
-        """New outputs, [] after wait_s, None once the client has gone."""
+        """New (part, entry id, output)s, [] after wait_s, None once the client has gone."""
         if self.gone:
             return None
-        return await self.sub.get(wait_s)
+        return await next_outputs([p.sub for p in self.parts], wait_s)
 
     async def _client_gone(self) -> None:
-        if self.proc.scheduler_finished:
+        """A plain request is aborted now; a resumable one after resume_grace_s, if it is
+        still running then and no connection follows it."""
+        queue = self.gw.queue
+        if not self.resumable:
+            for part in self.parts:
+                await self._abort_if_running(part, "client_disconnected")
             return
-        queue, rid = self.gw.queue, self.spec.request_id
+        part = self.parts[0]
         try:
-            if await queue.detach(rid) > 0:
+            if part.proc.scheduler_finished or await queue.detach(part.spec.request_id) > 0:
                 return
-            if self.gw.config.abort_grace_s > 0:
-                await asyncio.sleep(self.gw.config.abort_grace_s)
-                if await queue.readers(rid) > 0:
-                    return
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.gw.config.resume_grace_s
+            part.sub.interrupted = False
+            while loop.time() < deadline:
+                for _k, _entry, out in await next_outputs([part.sub], GRACE_POLL_S):
+                    part.proc.process(out)
+                await self._stop_finished_choices()
+                if part.proc.scheduler_finished or part.proc.done:
+                    break
+                if await queue.readers(part.spec.request_id) > 0:
+                    return                   # a resumed connection follows it now
         except QueueUnavailable:
             pass
-        await self._abort_if_running("client_disconnected")
+        await self._abort_if_running(part, "client_disconnected")
 
     async def _stop_finished_choices(self) -> None:
         """n > 1: a choice that ended at a stop string stops its sequence in the scheduler,
         so that it no longer takes a batch slot while the other choices go on. (When every
         choice is done, one abort of the whole request does that instead.)"""
-        stopped, self.proc.stopped_here = self.proc.stopped_here, []
-        if not self.proc.done and not self.proc.scheduler_finished:
-            for index in stopped:
-                self.gw.metrics.aborts.labels("stop_string_choice").inc()
-                await self.gw.queue.abort(self.spec.request_id, "stop_string", index)
+        for part in self.parts:
+            proc = part.proc
+            stopped, proc.stopped_here = proc.stopped_here, []
+            if not proc.done and not proc.scheduler_finished:
+                for index in stopped:
+                    self.gw.metrics.aborts.labels("stop_string_choice").inc()
+                    await self.gw.queue.abort(part.spec.request_id, "stop_string", index)
 
-    async def _abort_if_running(self, reason: str) -> None:
-        if not self.proc.scheduler_finished:
-            self.proc.scheduler_finished = True
+    async def _abort_if_running(self, part: Part, reason: str) -> None:
+        if not part.proc.scheduler_finished:
+            part.proc.scheduler_finished = True
             self.gw.metrics.aborts.labels(reason).inc()
-            await self.gw.queue.abort(self.spec.request_id, reason)
+            await self.gw.queue.abort(part.spec.request_id, reason)
+
+    async def _abort_all(self, reason: str) -> None:
+        for part in self.parts:
+            await self._abort_if_running(part, reason)
 
     def _refusal(self) -> ApiError:
-        message, status = self.proc.error
+        message, status = self._error()
         return ApiError(status, message, code="request_refused" if status < 500 else None)
 
     def _count_usage(self) -> None:
-        if not self.resumed and self.proc.done and self.proc.error is None:
-            self.gw.metrics.tokens.inc(self.proc.usage()["completion_tokens"])
+        if not self.resumed and self.done and self._error() is None:
+            self.gw.metrics.tokens.inc(usage_of(self.procs)["completion_tokens"])
+
+    def _process(self, k: int, out) -> list[ChoiceDelta]:
+        return self.parts[k].proc.process(out)
 
     # ------------------------------------------------------------ one JSON body
     async def _unary(self, send) -> None:
-        deltas: list[list] = [[] for _ in range(self.spec.n)]
-        while not self.proc.done:
+        deltas: dict[int, list[ChoiceDelta]] = {}
+        while not self.done:
             outputs = await self._next(self.gw.config.read_block_ms / 1000)
             if outputs is None:
                 await self._client_gone()
                 return
-            for _entry, out in outputs:
-                for d in self.proc.process(out):
-                    deltas[d.index].append(d)
-                if self.proc.done:
-                    break
+            for k, _entry, out in outputs:
+                if self.parts[k].proc.done:
+                    continue
+                for d in self._process(k, out):
+                    deltas.setdefault(d.index, []).append(d)
+            if self._error() is not None:
+                break
             await self._stop_finished_choices()
-        await self._abort_if_running("stop_string")
-        if self.proc.error is not None:
+        await self._abort_all("stop_string" if self._error() is None else "sibling_refused")
+        if self._error() is not None:
             raise self._refusal()
         self._count_usage()
-        body = dumps(self.shapes.whole(self.proc, deltas))
+        body = dumps(self.shapes.whole(self.procs, deltas))
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", self.spec.request_id.encode())]})
+            (b"x-request-id", self.x_request_id)]})
         await send({"type": "http.response.body", "body": body})
 
     # ------------------------------------------------------------ server-sent events
     async def _replay(self) -> None:
         """Resuming: rebuild the state the first connection had at Last-Event-ID."""
+        part = self.parts[0]
         upto = self.last_event_id
-        if upto is None or stream_id(upto) <= stream_id(self.header_id):
+        if upto is None or stream_id(upto) <= stream_id(part.header_id):
             return
-        cursor = self.header_id
-        while not self.proc.done:
-            new, outputs = await self.gw.queue.range(self.spec.request_id, cursor, upto)
+        cursor = part.header_id
+        while not part.proc.done:
+            new, outputs = await self.gw.queue.range(part.spec.request_id, cursor, upto)
             if new == cursor:
                 break
             cursor = new
             for _entry, out in outputs:
-                self.proc.process(out)
-                if self.proc.done:
+                part.proc.process(out)
+                if part.proc.done:
                     break
-        self.proc.stopped_here = []     # the first connection stopped those choices
+        part.proc.stopped_here = []     # the first connection stopped those choices
         self.cursor = upto
+
+    def _usage_so_far(self) -> dict | None:
+        """stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+        return usage_of(self.procs) if self.spec.continuous_usage else None
 
     async def _sse(self, send) -> None:
         cfg, loop = self.gw.config, asyncio.get_running_loop()
+        ids = self.resumable                 # event ids only on resumable streams
         frames: list[bytes] = []
+        header_id = self.parts[0].header_id
         if self.spec.kind == "chat" and (self.last_event_id is None or
-                                         stream_id(self.last_event_id) < stream_id(self.header_id)):
-            frames.append(event(self.header_id, self.shapes.role_chunk()))
+                                         stream_id(self.last_event_id) < stream_id(header_id)):
+            indices = [p.base + j for p in self.procs for j in range(p.spec.n)]
+            frames.append(event(header_id if ids else None,
+                                self.shapes.role_chunk(indices, self._usage_so_far())))
         # A fresh stream holds its headers briefly: a refusal then becomes an HTTP status.
         started = False
         hold_until = loop.time() + (0.0 if self.resumed else cfg.stream_start_wait_s)
@@ -188,13 +251,15 @@ class GenerationStream:
             nonlocal started, frames, quiet_since
             if not started:
                 started = True
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    *SSE_HEADERS, (b"x-request-id", self.spec.request_id.encode())]})
+                headers = [*SSE_HEADERS, (b"x-request-id", self.x_request_id)]
+                if self.resumable:
+                    headers.append((RESUMABLE_HEADER.encode(), b"true"))
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b"".join(frames),
                         "more_body": more})
             frames, quiet_since = [], loop.time()
 
-        while not self.proc.done:
+        while not self.done:
             wait = cfg.read_block_ms / 1000
             if not started:
                 wait = min(wait, max(0.001, hold_until - loop.time()))
@@ -203,21 +268,23 @@ class GenerationStream:
             except QueueUnavailable as exc:
                 if not started:
                     raise
-                hint = f"resume it with GET /v1/streams/{self.spec.request_id}"
+                hint = (f"resume it with GET /v1/streams/{self.spec.request_id}"
+                        if self.resumable else "retry the request")
                 frames.append(event(None, ApiError(503, f"{exc}; the stream broke off: {hint}"
                                                    ).body()))
                 break
             if outputs is None:
                 await self._client_gone()
                 return
-            for entry, out in outputs:
-                deltas = self.proc.process(out)
+            for k, entry, out in outputs:
+                if self.parts[k].proc.done:
+                    continue
+                deltas = self._process(k, out)
                 if deltas:
-                    frames.append(event(entry, self.shapes.chunk(deltas)))
-                if self.proc.done:
-                    break
+                    frames.append(event(entry if ids else None,
+                                        self.shapes.chunk(deltas, self._usage_so_far())))
             await self._stop_finished_choices()
-            if self.proc.error is not None:
+            if self._error() is not None:
                 if not started:
                     raise self._refusal()
                 frames.append(event(None, self._refusal().body()))
@@ -226,12 +293,12 @@ class GenerationStream:
                 await flush()
             elif frames and started:
                 await flush()
-            elif started and loop.time() - quiet_since >= cfg.keepalive_s:
+            elif started and self.resumable and loop.time() - quiet_since >= cfg.keepalive_s:
                 frames.append(b": keep-alive\n\n")
                 await flush()
-        await self._abort_if_running("stop_string")
-        if self.spec.include_usage and self.proc.error is None and self.proc.done:
-            frames.append(event(None, self.shapes.usage_chunk(self.proc)))
+        await self._abort_all("stop_string" if self._error() is None else "sibling_refused")
+        if self.spec.include_usage and self._error() is None and self.done:
+            frames.append(event(None, self.shapes.usage_chunk(self.procs)))
         self._count_usage()
         frames.append(DONE)
         await flush(more=False)

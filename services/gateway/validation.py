@@ -5,8 +5,13 @@ Every failed check is an `ApiError`: an HTTP status plus OpenAI's error body
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
+
+log = logging.getLogger("pagedserve.gateway")
+_IGNORED: set[str] = set()       # field names already logged as ignored
+_IGNORED_LOGGED_MAX = 256        # bounds the set: a client may send endless new names
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
@@ -34,18 +39,20 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 
 
 class Fields:
-    """Typed access to one JSON object; each failure is a 400 naming the field."""
+    """Typed access to one JSON object; each failure is a 400 naming the field.
+
+    Fields outside `allowed` are ignored, as vLLM's server ignores them (clients send
+    OpenAI fields a local server has no use for, and other servers' extensions); each
+    ignored name is logged once per process."""
 
     def __init__(self, body: Any, allowed: frozenset[str], where: str = "") -> None:
         if not isinstance(body, dict):
             raise bad(f"{where.rstrip('.') or 'the request body'} must be a JSON object",
                       where.rstrip(".") or None)
-        unknown = sorted(k for k in body if k not in allowed)
-        if unknown:
-            name = (where + unknown[0])[:100]     # echo a bounded name, whatever was sent
-            raise bad(f"unknown field {name!r}: accepted fields are "
-                      f"{', '.join(sorted(allowed))}", name, "unknown_field")
         self.body, self.where = body, where
+        if len(body) > len(allowed) or not body.keys() <= allowed:
+            self.body = {k: v for k, v in body.items() if k in allowed}
+            _log_ignored(where, [k for k in body if k not in allowed])
 
     def raw(self, name: str) -> Any:
         return self.body.get(name)
@@ -94,6 +101,15 @@ class Fields:
         if v is not None and not any(type(v) is type(a) and v == a for a in allowed):
             raise bad(f"{name} is not supported by this server; remove it from the request",
                       name, "unsupported_parameter")
+
+
+def _log_ignored(where: str, names: list[str]) -> None:
+    for name in names:
+        name = (where + str(name))[:100]      # a bounded name, whatever was sent
+        if name not in _IGNORED and len(_IGNORED) < _IGNORED_LOGGED_MAX:
+            _IGNORED.add(name)
+            log.warning("ignoring the request field %r: this server does not use it (logged "
+                        "once per field name)", name)
 
 
 def text(v: Any, param: str) -> str:

@@ -38,7 +38,11 @@ def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float
     if token in group.stop_ids and len(tokens) >= group.min_len:
         seq.finish_reason = "stop"
         seq.stop_token_id = token
-        return SeqDelta(seq.sample_index, [], _NO_LOGPROBS, "stop", token, cum)
+        # The stop token's own logprob rides along when logprobs are asked (clients such as
+        # lm-eval score it, and vLLM reports it); the token itself stays out of token_ids.
+        stop_lp = (_NO_LOGPROBS if seq.logprobs is None else
+                   [TokenLogprob(token, logprob, top[:group.sampling.logprobs])])
+        return SeqDelta(seq.sample_index, [], stop_lp, "stop", token, cum)
     tokens.append(token)
     reason = None
     if len(tokens) >= group.max_len:

@@ -113,6 +113,23 @@ def test_min_tokens_bans_stop_tokens_until_enough_outputs():
     assert s(x, [SampleRow(params, [9, 9, 9], 1)]).token_ids == [0]   # 2 outputs
 
 
+def test_logit_bias_allowed_tokens_and_bad_words_each_apply_to_their_row_only():
+    x = torch.tensor([LOGITS] * 5)
+    rows = [SampleRow(SamplingParams(temperature=0), [9], 1),
+            SampleRow(SamplingParams(temperature=0, logit_bias={0: -100.0}), [9], 1),
+            SampleRow(SamplingParams(temperature=0, logit_bias={6: 100.0, 1: -1.0}), [9], 1),
+            SampleRow(SamplingParams(temperature=0, allowed_token_ids=[3, 5]), [9], 1),
+            # [0] is banned outright; [2, 1]: token 1 only after a 2 in the output
+            SampleRow(SamplingParams(temperature=0, bad_words_ids=[[0], [2, 1]]), [9, 2], 1)]
+    out = Sampler(0)(x, rows)
+    assert out.token_ids == [0, 1, 6, 3, 2]
+    # the reported logprob stays the raw model's (vLLM's default)
+    assert out.logprobs[2] == pytest.approx(torch.log_softmax(x[2], -1)[6].item())
+    # without the 2 before it, token 1 is allowed
+    assert Sampler(0)(x[:1], [SampleRow(SamplingParams(temperature=0, bad_words_ids=[[0], [2, 1]]),
+                                        [9, 3], 1)]).token_ids == [1]
+
+
 def test_seeded_draw_is_independent_of_the_rest_of_the_batch():
     g = torch.Generator().manual_seed(5)
     mine = torch.randn(1, 64, generator=g)

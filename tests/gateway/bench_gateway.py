@@ -91,7 +91,9 @@ async def stream_one(client: httpx.AsyncClient, tokens: int, lat: list[float],
     body = {"prompt": "hello", "max_tokens": tokens, "stream": True, "ignore_eos": True}
     sent = time.time()
     n = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    # a resumable stream: its event ids (Redis entry ids) carry the time each token was written
+    async with client.stream("POST", "/v1/completions", json=body,
+                             headers={"X-Resumable-Stream": "true"}) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
         admission[r.headers["x-request-id"]] = sent

@@ -12,7 +12,7 @@ from services.gateway.detokenizer import (
     TokenVocab,
 )
 from services.gateway.output import OutputProcessor
-from services.gateway.protocol import ResponseSpec
+from shared.messages import StreamHeader
 from shared.messages import RequestOutput, SeqDelta
 
 # Text with plenty of 2-, 3- and 4-byte UTF-8 characters (accents, CJK, emoji, ZWJ sequences).
@@ -109,8 +109,8 @@ def test_earliest_stop_string_wins_and_can_be_kept_in_the_output():
     assert StopStrings(["cd"], include_in_output=True).feed("abcdef") == ("abcd", "cd")
 
 
-def spec(n=1, stop=(), logprobs=None, prompt_tokens=5, min_tokens=0) -> ResponseSpec:
-    return ResponseSpec("completion", "r1", "m", 0, n, prompt_tokens, stop=list(stop),
+def spec(n=1, stop=(), logprobs=None, prompt_tokens=5, min_tokens=0) -> StreamHeader:
+    return StreamHeader("completion", "r1", "m", 0, n, prompt_tokens, stop=list(stop),
                         logprobs=logprobs, min_tokens=min_tokens)
 
 

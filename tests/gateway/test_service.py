@@ -147,11 +147,29 @@ def test_models_and_openapi_describe_the_server(http):
     assert [m["id"] for m in models["data"]] == [MODEL]
     doc = http.get("/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/streams/{request_id}",
-                 "/v1/models", "/tokenize", "/detokenize", "/health", "/ping", "/metrics"):
+                 "/v1/models", "/tokenize", "/detokenize", "/health", "/ping", "/metrics",
+                 "/version"):
         assert path in doc["paths"]
     schemas = doc["components"]["schemas"]
-    assert schemas["CompletionRequest"]["additionalProperties"] is False
+    # fields the server does not read are ignored, as vLLM ignores them
+    assert "additionalProperties" not in schemas["CompletionRequest"]
     assert schemas["CompletionRequest"]["properties"]["logprobs"]["maximum"] == 20
+    version = http.get("/version")
+    assert version.status_code == 200 and version.json()["version"]
+
+
+def test_served_model_names_are_aliases_and_others_get_openais_404(start_gateway):
+    gw = start_gateway(served_model_name=["team-model", "gpt-local"])
+    with httpx.Client(base_url=gw.url, timeout=10) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["team-model",
+                                                                         "gpt-local"]
+        assert c.get("/v1/models/gpt-local").json()["id"] == "gpt-local"
+        for name in (MODEL, "nope"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "hi"})
+            assert r.status_code == 404
+            err = r.json()["error"]
+            assert err["code"] == "model_not_found" and err["param"] == "model"
+            assert err["message"].startswith(f"The model `{name}` does not exist.")
 
 
 def test_config_reads_flags_over_environment_over_defaults():

@@ -11,10 +11,24 @@ import pytest
 
 from shared.messages import RequestOutput, SeqDelta, TokenLogprob
 from shared.wire import encode
-from tests.gateway.conftest import sse_events
+from tests.gateway.conftest import FakeScheduler, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
+RESUMABLE = {"X-Resumable-Stream": "true"}
 pool = ThreadPoolExecutor(20)
+
+
+def until(condition, what: str, timeout: float = 5.0):
+    """Poll condition() until it is truthy (and return it); fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return value
+
+
+def readers(scheduler, rid) -> int:
+    return int(scheduler.r.get(scheduler.keys.output(rid) + ":readers") or 0)
 
 
 def start(http, path, body, **kw):
@@ -78,10 +92,11 @@ def test_completion_joins_steps_and_reports_usage(http, scheduler, tokenizer):
                              "total_tokens": len(tokenizer.encode("Say hi")) + len(toks)}
 
 
-def test_chat_stream_has_role_chunk_redis_ids_and_usage_last(http, scheduler, tokenizer):
+def test_resumable_chat_stream_has_role_chunk_redis_ids_and_usage_last(http, scheduler,
+                                                                       tokenizer):
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": 10}
-    fut = start(http, "/v1/chat/completions", body)
+    fut = start(http, "/v1/chat/completions", body, headers=RESUMABLE)
     rid = scheduler.take().request.request_id
     toks = ids_of(tokenizer, "Bonjour 🎉 à tous")
     entry_ids = [scheduler.emit(rid, SeqDelta(0, [t])) for t in toks]
@@ -141,8 +156,8 @@ def test_a_choice_ending_at_a_stop_string_stops_only_its_sequence(http, schedule
     else:
         text0 = json.loads(body)["choices"][0]["text"]
     assert text0 == "The quick brown fox jumps over the "
-    time.sleep(0.2)
-    assert len([a for a in scheduler.aborts() if a.request_id == rid]) == 1   # nothing more
+    # the gateway sends its aborts before the response ends: none came after the first
+    assert len([a for a in scheduler.aborts() if a.request_id == rid]) == 1
 
 
 def test_refusal_before_streaming_is_an_http_error(http, scheduler):
@@ -156,15 +171,27 @@ def test_refusal_before_streaming_is_an_http_error(http, scheduler):
         assert "900 blocks" in r.json()["error"]["message"]
 
 
-def test_error_after_streaming_started_is_an_error_event(http, scheduler, tokenizer):
-    fut = start(http, "/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 9})
+def test_error_after_streaming_started_is_an_error_event(gateway, scheduler, tokenizer):
+    started = threading.Event()
+
+    def client():
+        with httpx.Client(base_url=gateway.url, timeout=10) as c:
+            with c.stream("POST", "/v1/completions",
+                          json={"prompt": "x", "stream": True, "max_tokens": 9}) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()           # the status line and a first event are out
+                return r.status_code, "\n".join(lines) + "\n"
+
+    fut = pool.submit(client)
     rid = scheduler.take().request.request_id
     scheduler.emit(rid, SeqDelta(0, ids_of(tokenizer, "Hi")))
-    time.sleep(0.2)
+    assert started.wait(5)
     scheduler.emit(rid, finished=True, error="executor lost", error_code=500)
-    r = fut.result(10)
-    assert r.status_code == 200
-    events = data_events(r.text)
+    status, text = fut.result(10)
+    assert status == 200
+    events = data_events(text)
     assert events[-2][1]["error"]["message"] == "executor lost"
     assert events[-1][1] == "[DONE]"
 
@@ -225,35 +252,96 @@ def test_client_disconnect_sends_an_abort_promptly(gateway, scheduler, tokenizer
                if a.request_id == rid)
 
 
-def test_resume_with_last_event_id_continues_with_identical_events(http, gateway, scheduler,
-                                                                   tokenizer):
+def test_resumed_readers_beside_the_live_connection_get_identical_events(
+        http, gateway, scheduler, tokenizer):
     body = {"prompt": "x", "stream": True, "n": 2, "stop": ["END"], "max_tokens": 30,
             "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=gateway.url, timeout=10) as first:
+    with httpx.Client(base_url=gateway.url, timeout=10, headers=RESUMABLE) as first:
         with first.stream("POST", "/v1/completions", json=body) as live:
             rid = scheduler.take().request.request_id
-            text = ids_of(tokenizer, "日本語 text, then the END of it")
-            for t in text[:4]:
-                scheduler.emit(rid, SeqDelta(0, [t]), SeqDelta(1, [t]))
+            a, b = two_choices(tokenizer)
+            emit_steps(scheduler, rid, a, b, 0, 4)
             # a second client joins mid-stream from the start, and a third after event 2
             whole = pool.submit(http.get, f"/v1/streams/{rid}")
-            time.sleep(0.3)
+            until(lambda: readers(scheduler, rid) == 2, "the replaying reader to attach")
             partial_ids = [i for i, _ in data_events(_wait_events(http, rid))]
             after = partial_ids[1]
-            time.sleep(0.1)
+            until(lambda: readers(scheduler, rid) == 2, "the third reader to leave")
             # that resumed reader left, but the first connection still follows: no abort
             assert not [a for a in scheduler.aborts() if a.request_id == rid]
             rest = pool.submit(http.get, f"/v1/streams/{rid}", headers={"Last-Event-ID": after})
-            for t in text[4:]:
-                scheduler.emit(rid, SeqDelta(0, [t]), SeqDelta(1, [t]))
+            until(lambda: readers(scheduler, rid) == 3, "the resuming reader to attach")
+            emit_steps(scheduler, rid, a, b, 4, len(b))
             scheduler.emit(rid, SeqDelta(1, [], finish_reason="length"), finished=True)
             original = data_events(live.read().decode())
     assert data_events(whole.result(10).text) == original
     k = [i for i, _ in original].index(after)
     assert data_events(rest.result(10).text) == original[k + 1:]
-    texts = ["".join(e[1]["choices"][j]["text"] for e in original[:-2] if e[1]["choices"]
-                     and len(e[1]["choices"]) > j) for j in (0, 1)]
-    assert texts[0] == "日本語 text, then the "
+    assert _choice_texts(original) == ["日本語 text, then the ", "日本語 text, then the end of it"]
+
+
+def two_choices(tokenizer) -> tuple[list[int], list[int]]:
+    """Tokens of two choices: the first meets the stop string END, the second never does."""
+    return (ids_of(tokenizer, "日本語 text, then the END of it"),
+            ids_of(tokenizer, "日本語 text, then the end of it"))
+
+
+def emit_steps(scheduler, rid, a, b, lo, hi) -> None:
+    for k in range(lo, hi):
+        scheduler.emit(rid, *[SeqDelta(j, [toks[k]]) for j, toks in enumerate((a, b))
+                              if k < len(toks)])
+
+
+def _choice_texts(events) -> list[str]:
+    texts = ["", ""]
+    for _id, e in events:
+        if e != "[DONE]":
+            for c in e["choices"]:
+                texts[c["index"]] += c["text"]
+    return texts
+
+
+def test_a_dropped_resumable_stream_keeps_running_and_resumes_where_it_left(
+        gateway, scheduler, tokenizer):
+    body = {"prompt": "x", "stream": True, "n": 2, "stop": ["END"], "max_tokens": 30}
+    a, b = two_choices(tokenizer)
+    with httpx.Client(base_url=gateway.url, timeout=10, headers=RESUMABLE) as first:
+        with first.stream("POST", "/v1/completions", json=body) as live:
+            assert live.headers["x-resumable-stream"] == "true"
+            rid = scheduler.take().request.request_id
+            emit_steps(scheduler, rid, a, b, 0, 4)
+            seen = ""
+            for line in live.iter_lines():
+                seen += line + "\n"
+                if seen.count("id: ") >= 2 and line == "":
+                    break
+    # the client dropped: the gateway lets go of it but the request is not aborted
+    until(lambda: readers(scheduler, rid) == 0, "the dropped connection to detach")
+    before = data_events(seen)
+    emit_steps(scheduler, rid, a, b, 4, len(b))
+    scheduler.emit(rid, SeqDelta(1, [], finish_reason="length"), finished=True)
+    with httpx.Client(base_url=gateway.url, timeout=10) as again:
+        rest = data_events(again.get(f"/v1/streams/{rid}",
+                                     headers={"Last-Event-ID": before[-1][0]}).text)
+        whole = data_events(again.get(f"/v1/streams/{rid}").text)
+    # the request as a whole was never aborted (choice 0 may be, at its stop string)
+    assert all(x.index == 0 for x in scheduler.aborts() if x.request_id == rid)
+    assert before + rest == whole
+    assert _choice_texts(whole) == ["日本語 text, then the ", "日本語 text, then the end of it"]
+
+
+def test_a_dropped_plain_stream_is_aborted_at_once_even_with_a_grace_period(
+        gateway, scheduler, tokenizer):
+    assert gateway.config.resume_grace_s >= 10
+    with httpx.Client(base_url=gateway.url, timeout=10) as c:
+        with c.stream("POST", "/v1/completions",
+                      json={"prompt": "x", "stream": True, "max_tokens": 30}) as live:
+            rid = scheduler.take().request.request_id
+            scheduler.emit(rid, SeqDelta(0, ids_of(tokenizer, "Once")))
+            next(line for line in live.iter_lines() if line.startswith("data: "))
+        closed_at = time.monotonic()
+    scheduler.wait_abort(rid, timeout=3)
+    assert time.monotonic() - closed_at < 1.0
 
 
 def _wait_events(http, rid) -> str:
@@ -279,7 +367,12 @@ def test_concurrent_streams_share_one_reader_without_cross_talk(http, scheduler,
             for _ in range(16)]
     rids = [scheduler.take().request.request_id for _ in futs]
     words = {rid: ids_of(tokenizer, f" request {i} says hello") for i, rid in enumerate(rids)}
-    for step in range(max(len(w) for w in words.values())):
+    # 16 streams waiting, one blocked XREAD among them (the scheduler stand-in reads nothing)
+    until(lambda: scheduler.r.info("clients")["blocked_clients"] >= 1, "the reader to block")
+    assert scheduler.r.info("clients")["blocked_clients"] == 1
+    xreads_before = _xread_calls(scheduler.r)
+    steps = max(len(w) for w in words.values())
+    for step in range(steps):
         pipe = scheduler.r.pipeline()          # one scheduler step feeds every stream
         for rid, toks in words.items():
             if step < len(toks):
@@ -297,3 +390,173 @@ def test_concurrent_streams_share_one_reader_without_cross_talk(http, scheduler,
         assert text == tokenizer.decode(words[rid])
         seen.add(rid)
     assert seen == set(rids)
+    # one XREAD per step or so for all 16 streams (one per stream per step would be 16x)
+    assert _xread_calls(scheduler.r) - xreads_before <= 2 * steps + 4
+
+
+def _xread_calls(r) -> int:
+    return r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+
+
+def test_a_default_stream_is_plain_data_lines_for_line_based_parsers(start_gateway, redis_proc,
+                                                                     tokenizer):
+    """vLLM's benchmark clients and shell scripts strip "data: " from each line."""
+    gw = start_gateway(keepalive_s=0.05)       # a keep-alive would be due at every pause
+    sched = FakeScheduler(redis_proc.url, gw.config.redis_prefix)
+    with httpx.Client(base_url=gw.url, timeout=10) as c:
+        fut = pool.submit(c.post, "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 9,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        rid = sched.take().request.request_id
+        toks = ids_of(tokenizer, "Plain lines only")
+        for t in toks:
+            sched.emit(rid, SeqDelta(0, [t]))
+            time.sleep(0.15)                       # silence longer than keepalive_s
+        sched.emit(rid, SeqDelta(0, [], finish_reason="stop", stop_token_id=2), finished=True)
+        r = fut.result(10)
+    assert "x-resumable-stream" not in r.headers
+    lines = [line for line in r.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Plain lines only"
+    # continuous_usage_stats: every chunk carries the usage so far, the last one the total
+    completions = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completions == sorted(completions) and completions[-1] == len(toks) + 1
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0
+               for c in chunks)
+
+
+IGNORED_FIELDS = [("store", True), ("metadata", {"team": "a"}), ("user", "u-1"),
+                  ("service_tier", "auto"), ("parallel_tool_calls", False),
+                  ("reasoning_effort", "low"), ("prompt_cache_key", "k"), ("functions", None),
+                  ("frobnicate", 1), ("stream_options", {"include_usage": True, "x": 1})]
+
+
+@pytest.mark.parametrize("name,value", IGNORED_FIELDS, ids=[f[0] for f in IGNORED_FIELDS])
+def test_fields_a_local_server_has_no_use_for_are_accepted(http, scheduler, name, value):
+    for path, body in (("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi", "tool_call_id": "t"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        fut = start(http, path, dict(body, max_tokens=2, **{name: value}))
+        rid = scheduler.take().request.request_id
+        scheduler.emit(rid, SeqDelta(0, [], finish_reason="length"), finished=True)
+        r = fut.result(10)
+        assert r.status_code == 200, r.text
+
+
+def test_a_client_request_id_names_the_request_and_is_echoed(http, scheduler):
+    fut = start(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                headers={"X-Request-Id": "trace.42-a"})
+    req = scheduler.take().request
+    assert req.request_id == "cmpl-trace.42-a"
+    scheduler.emit(req.request_id, SeqDelta(0, [], finish_reason="length"), finished=True)
+    r = fut.result(10)
+    assert r.headers["x-request-id"] == "trace.42-a" and r.json()["id"] == "cmpl-trace.42-a"
+    again = http.post("/v1/completions", json={"prompt": "hi"},
+                      headers={"X-Request-Id": "trace.42-a"})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "duplicate_request_id"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_prompts_fan_out_and_number_choices_prompt_major(http, scheduler, tokenizer,
+                                                                 stream):
+    prompts = ["one", [7, 8, 9], "three"]
+    fut = start(http, "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 3,
+                                          "stream": stream,
+                                          "stream_options": {"include_usage": True}})
+    taken = sorted((scheduler.take().request for _ in prompts), key=lambda r: r.request_id)
+    assert [r.prompt_token_ids for r in taken] == [tokenizer.encode("one"), [7, 8, 9],
+                                                   tokenizer.encode("three")]
+    words = {}
+    for p, req in enumerate(taken):
+        for j in range(2):
+            words[p * 2 + j] = ids_of(tokenizer, f" p{p}c{j}")
+        scheduler.emit(req.request_id, *[SeqDelta(j, words[p * 2 + j], finish_reason="length")
+                                          for j in range(2)], finished=True)
+    r = fut.result(10)
+    if stream:
+        events = [e for _i, e in data_events(r.text)]
+        assert events[-1] == "[DONE]"
+        usage = events[-2]["usage"]
+        texts = {}
+        for e in events[:-2]:
+            for c in e["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    else:
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        texts = {c["index"]: c["text"] for c in body["choices"]}
+        usage = body["usage"]
+    assert texts == {i: tokenizer.decode(w) for i, w in words.items()}
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in taken)
+    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["completion_tokens"] == sum(len(w) for w in words.values())
+
+
+def test_a_disconnect_aborts_every_prompt_of_the_request(gateway, scheduler):
+    def client():
+        with httpx.Client(base_url=gateway.url, timeout=2) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 50},
+                       timeout=0.5)
+
+    fut = pool.submit(client)
+    rids = [scheduler.take().request.request_id for _ in range(3)]
+    fut.result(10)
+    for rid in rids:
+        scheduler.wait_abort(rid, timeout=3)
+
+
+def test_echo_with_logprobs_and_zero_max_tokens_scores_the_prompt(http, scheduler, tokenizer):
+    prompt = tokenizer.encode("The cat sat")
+    fut = start(http, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1,
+                                          "max_tokens": 0})
+    req = scheduler.take().request
+    assert req.sampling.max_tokens == 1 and req.sampling.prompt_logprobs == 1
+    plp = [None] + [TokenLogprob(t, -1.0 - i, [[t, -1.0 - i]]) for i, t in enumerate(prompt[1:])]
+    scheduler.emit(req.request_id, SeqDelta(0, [5], [TokenLogprob(5, -0.1, [[5, -0.1]])],
+                                            finish_reason="length"),
+                   finished=True, prompt_logprobs=plp)
+    body = fut.result(10).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "The cat sat" and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tokenizer.decode([t]) for t in prompt]
+    assert lp["token_logprobs"] == [None] + [-1.0 - i for i in range(len(prompt) - 1)]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == len(prompt)
+    assert lp["text_offset"][0] == 0 and len(lp["text_offset"]) == len(prompt)
+    assert body["usage"]["completion_tokens"] == 0
+
+
+def test_vllm_sampling_extensions_reach_the_wire(http, scheduler, tokenizer):
+    prompt = tokenizer.encode("one two three four five")
+    fut = start(http, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 2, "logit_bias": {"17": -100, "42": 5.5},
+        "allowed_token_ids": [17, 42, 99], "bad_words": ["hello", "big cat"],
+        "truncate_prompt_tokens": 2, "return_tokens_as_token_ids": True, "logprobs": 0})
+    req = scheduler.take().request
+    s = req.sampling
+    assert req.prompt_token_ids == prompt[-2:]
+    assert s.logit_bias == {17: -100.0, 42: 5.5} and s.allowed_token_ids == [17, 42, 99]
+    for word in ("hello", " hello", "big cat", " big cat"):
+        assert tokenizer.encode(word, add_special_tokens=False) in s.bad_words_ids
+    scheduler.emit(req.request_id, SeqDelta(0, [42], [TokenLogprob(42, -0.5)],
+                                            finish_reason="length"), finished=True)
+    assert fut.result(10).json()["choices"][0]["logprobs"]["tokens"] == ["token_id:42"]
+
+
+def test_chat_continue_final_message_and_template_kwargs_shape_the_prompt(http, scheduler,
+                                                                          tokenizer):
+    msgs = [{"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "Blue and"}]
+    fut = start(http, "/v1/chat/completions", {
+        "messages": msgs, "continue_final_message": True, "add_generation_prompt": False,
+        "chat_template_kwargs": {"custom_flag": True}, "max_tokens": 2})
+    req = scheduler.take().request
+    expected = tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True,
+                                             add_generation_prompt=False)
+    assert tokenizer.decode(req.prompt_token_ids) == expected
+    assert expected.endswith("Blue and")          # the assistant turn is left open
+    scheduler.emit(req.request_id, SeqDelta(0, [], finish_reason="length"), finished=True)
+    assert fut.result(10).status_code == 200

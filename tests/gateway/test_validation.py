@@ -15,13 +15,11 @@ COMPLETION_CASES = [
     ("invalid utf-8", b'{"prompt": "\xff\xfe"}', 400, None),
     ("deep nesting", b"[" * 100_000 + b"]" * 100_000, 400, None),
     ("missing prompt", {"model": MODEL, "max_tokens": 5}, 400, "prompt"),
-    ("unknown field", dict(P, frobnicate=1), 400, "frobnicate"),
     ("wrong type", dict(P, max_tokens="five"), 400, "max_tokens"),
     ("bool for int", dict(P, n=True), 400, "n"),
     ("float for int", dict(P, max_tokens=5.0), 400, "max_tokens"),
     ("NaN temperature", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("negative max_tokens", dict(P, max_tokens=-3), 400, "max_tokens"),
-    ("zero max_tokens", dict(P, max_tokens=0), 400, "max_tokens"),
     ("huge max_tokens", dict(P, max_tokens=10**9), 400, "max_tokens"),
     ("n over the limit", dict(P, n=10**4), 400, "n"),
     ("best_of below n", dict(P, n=3, best_of=2, use_beam_search=True), 400, "best_of"),
@@ -36,12 +34,32 @@ COMPLETION_CASES = [
     ("prompt token out of vocab", dict(P, prompt=[1, -5]), 400, "prompt"),
     ("empty prompt", dict(P, prompt=""), 400, "prompt"),
     ("lone surrogate", b'{"prompt": "a\\ud800b", "max_tokens": 3}', 400, "prompt"),
-    ("batched prompts", dict(P, prompt=["a", "b"]), 400, "prompt"),
+    ("a prompt of a batch empty", dict(P, prompt=["a", ""]), 400, "prompt[1]"),
+    ("a token prompt of a batch out of vocab", dict(P, prompt=[[1], [10**7]]), 400,
+     "prompt[1]"),
+    ("more prompts than allowed", dict(P, prompt=["a"] * 300), 400, "prompt"),
     ("prompt longer than the context", dict(P, prompt="hello " * 5000), 400, "prompt"),
     ("min_tokens above max_tokens", dict(P, min_tokens=9), 400, "min_tokens"),
-    ("unknown stream option", dict(P, stream=True, stream_options={"x": 1}), 400,
-     "stream_options.x"),
-    ("echo", dict(P, echo=True), 400, "echo"),
+    ("stream option of the wrong type", dict(P, stream=True,
+                                             stream_options={"continuous_usage_stats": 1}),
+     400, "stream_options.continuous_usage_stats"),
+    ("echo not a boolean", dict(P, echo="yes"), 400, "echo"),
+    ("user not a string", dict(P, user=5), 400, "user"),
+    ("logit_bias over 100", dict(P, logit_bias={"5": 101}), 400, "logit_bias.5"),
+    ("logit_bias NaN", b'{"prompt": "hi", "logit_bias": {"5": NaN}}', 400, "logit_bias.5"),
+    ("logit_bias key not a token", dict(P, logit_bias={"dog": 1}), 400, "logit_bias"),
+    ("logit_bias token out of vocab", dict(P, logit_bias={"10000000": 1}), 400, "logit_bias"),
+    ("allowed_token_ids out of vocab", dict(P, allowed_token_ids=[10**7]), 400,
+     "allowed_token_ids"),
+    ("allowed_token_ids empty", dict(P, allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("bad_words not strings", dict(P, bad_words=[3]), 400, "bad_words[0]"),
+    ("truncate_prompt_tokens zero", dict(P, truncate_prompt_tokens=0), 400,
+     "truncate_prompt_tokens"),
+    ("prompt_logprobs with stream", dict(P, prompt_logprobs=1, stream=True), 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs over 20", dict(P, prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("return_tokens_as_token_ids not a boolean", dict(P, return_tokens_as_token_ids=1), 400,
+     "return_tokens_as_token_ids"),
     ("unknown model", dict(P, model="no-such-model"), 404, "model"),
 ]
 
@@ -49,9 +67,15 @@ CHAT_CASES = [
     ("missing messages", {"model": MODEL}, 400, "messages"),
     ("empty messages", dict(C, messages=[]), 400, "messages"),
     ("bad role", dict(C, messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
-    ("unknown message field", dict(C, messages=[{"role": "user", "content": "x",
-                                                 "tool_call_id": 1}]),
-     400, "messages[0].tool_call_id"),
+    ("chat_template_kwargs not an object", dict(C, chat_template_kwargs=[1]), 400,
+     "chat_template_kwargs"),
+    ("continue_final_message after a user turn", dict(C, continue_final_message=True,
+                                                      add_generation_prompt=False), 400,
+     "continue_final_message"),
+    ("continue_final_message with add_generation_prompt",
+     dict(C, continue_final_message=True, add_generation_prompt=True), 400,
+     "continue_final_message"),
+    ("max_tokens zero", dict(C, max_tokens=0), 400, "max_tokens"),
     ("image part", dict(C, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
     ("top_logprobs without logprobs", dict(C, top_logprobs=3), 400, "top_logprobs"),
@@ -103,6 +127,22 @@ def test_prompt_too_long_names_both_lengths(http, tokenizer, nothing_enqueued):
     n = len(tokenizer.encode("hello " * 5000))
     err = post(http, "/v1/completions", dict(P, prompt="hello " * 5000)).json()["error"]
     assert f"{n} tokens" in err["message"] and "2048 tokens" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_context_length_error_is_worded_as_openai_words_it(http, tokenizer, nothing_enqueued):
+    n = len(tokenizer.encode("hello " * 100))
+    err = post(http, "/v1/completions", dict(P, prompt="hello " * 100, max_tokens=2000)
+               ).json()["error"]
+    assert err["message"].startswith(
+        f"This model's maximum context length is 2048 tokens. However, you requested "
+        f"{n + 2000} tokens ({n} in the prompt, 2000 for the completion).")
+    assert err["param"] == "max_tokens"
+
+
+def test_a_malformed_x_request_id_is_400(http, nothing_enqueued):
+    r = http.post("/v1/completions", json=P, headers={"x-request-id": "a b/c"})
+    assert_error(r, 400, "X-Request-Id")
 
 
 def test_body_over_the_limit_is_413(start_gateway, redis_proc):
