@@ -36,6 +36,7 @@ class RankGroup:
 
     def __init__(self, model: str, tp: int, *flags: str) -> None:
         self.grpc, self.zmq_port, dist = free_ports(tp), free_ports(tp + 1), free_port()
+        self.plans, self.results = [], None
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "services.launcher", "executor", "--model", model,
              "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", str(tp),
@@ -54,7 +55,6 @@ class RankGroup:
             time.sleep(0.2)
         self.info = self.client.describe()
         ctx = zmq.Context.instance()
-        self.plans = []
         for ep in self.info.plan_endpoints:
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
@@ -72,7 +72,7 @@ class RankGroup:
         return decode(self.results.recv(), StepResult)
 
     def close(self) -> None:
-        for s in self.plans + [self.results]:
+        for s in self.plans + [self.results] * (self.results is not None):
             s.close()
         for p in self.procs:
             stop_process(p, timeout=10)
