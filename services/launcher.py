@@ -43,7 +43,8 @@ _GATEWAY = [
     ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
     ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
     ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 (empty: open)"),
-    ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int, "queued requests before 429"),
+    ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int,
+     "unfinished requests (waiting or running, over all gateways) before 429"),
 ]
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
@@ -56,6 +57,8 @@ _SCHEDULER = [
     ("--no-prefix-caching", "PAGEDSERVE_NO_PREFIX_CACHING", False, "flag", "disable prefix caching"),
     ("--contiguous", "PAGEDSERVE_CONTIGUOUS", False, "flag",
      "baseline: reserve max-model-len slots per request up front"),
+    ("--metrics-host", "PAGEDSERVE_METRICS_HOST", "127.0.0.1", str,
+     "bind address of the scheduler's own /metrics"),
 ]
 _EXECUTOR = [
     ("--bind-host", "PAGEDSERVE_BIND_HOST", "127.0.0.1", str, "executor bind address (ZeroMQ, gRPC)"),
@@ -67,7 +70,8 @@ _EXECUTOR = [
     ("--block-size", "PAGEDSERVE_BLOCK_SIZE", 16, int, "tokens per KV block (8, 16, 32)"),
     ("--kv-cache-gib", "PAGEDSERVE_KV_CACHE_GIB", 1.0, float, "KV pool size on the CPU (GiB)"),
     ("--gpu-memory-utilization", "PAGEDSERVE_GPU_MEMORY_UTILIZATION", 0.9, float,
-     "fraction of free GPU memory for the KV pool"),
+     "fraction of the GPU's total memory this executor may hold (weights, activations "
+     "and the KV pool)"),
     ("--swap-space-gib", "PAGEDSERVE_SWAP_SPACE_GIB", 1.0, float, "CPU swap pool (GiB)"),
     ("--num-gpu-blocks", "PAGEDSERVE_NUM_GPU_BLOCKS", None, int,
      "fix the KV pool size in blocks (overrides the memory-based sizing)"),
