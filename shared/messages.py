@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, declared once.
 
-Wires (see ../DESIGN.md):
+Wires (see docs/design.md):
 
     gateway ──GenerationRequest──▶ Redis ──▶ scheduler          (request stream)
     gateway ──AbortRequest───────▶ Redis ──▶ scheduler          (abort stream)
