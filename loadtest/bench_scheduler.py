@@ -42,7 +42,6 @@ from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
 from shared.messages import (GenerationRequest, SamplingParams, SeqSample,  # noqa: E402
                              StepResult)
-from shared.wire import encode  # noqa: E402
 
 
 def fake_result(plan, token: int = 7) -> StepResult:
@@ -84,7 +83,7 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         sched.update(plan, StepResult(plan.step_id, [
             SeqSample(s.seq_id, 7, -0.5) for s in plan.scheduled]))
     gc.collect()
-    times, plan_wire, outs_wire = [], [], []
+    times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
@@ -95,24 +94,12 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         t3 = time.perf_counter()
         assert len(plan.scheduled) == num_seqs and len(outs) == num_seqs
         times.append((t1 - t0) + (t3 - t2))
-        # What the service adds per step on the wires (not in the step time): the plan, and
-        # the outputs encoded one by one as it publishes them.
-        t4 = time.perf_counter()
-        plan_bytes = len(encode(plan))
-        t5 = time.perf_counter()
-        for out in outs:
-            encode(out)
-        t6 = time.perf_counter()
-        plan_wire.append(t5 - t4)
-        outs_wire.append(t6 - t5)
     if gc_freeze:
         gc.unfreeze()
         gc.set_threshold(*old_threshold)
     return {"median_ms": statistics.median(times) * 1e3,
             "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
-            "per_seq_us": statistics.median(times) * 1e6 / num_seqs,
-            "encode_plan_ms": statistics.median(plan_wire) * 1e3, "plan_bytes": plan_bytes,
-            "encode_outputs_ms": statistics.median(outs_wire) * 1e3}
+            "per_seq_us": statistics.median(times) * 1e6 / num_seqs}
 
 
 def main() -> None:
@@ -137,19 +124,14 @@ def main() -> None:
                     res[m][n] = run
     if args.json:
         key = {"service": "step_ms", "default": "step_ms_default_gc"}
-        out = {key[m]: {str(n): round(r["median_ms"], 4) for n, r in res[m].items()}
-               for m in modes}
-        for field in ("encode_plan_ms", "encode_outputs_ms", "plan_bytes"):
-            out[field] = {str(n): round(r[field], 4) for n, r in res[modes[0]].items()}
-        print(json.dumps(out))
+        print(json.dumps({key[m]: {str(n): round(r["median_ms"], 4) for n, r in res[m].items()}
+                          for m in modes}))
         return
-    print(f"{'gc':>8} {'running seqs':>12} {'median ms':>10} {'p90 ms':>8} {'us/seq':>7} "
-          f"{'plan encode ms (bytes)':>23} {'outputs encode ms':>18}")
+    print(f"{'gc':>8} {'running seqs':>12} {'median ms':>10} {'p90 ms':>8} {'us/seq':>7}")
     for m in modes:
         for n, r in res[m].items():
             print(f"{m:>8} {n:>12} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
-                  f"{r['per_seq_us']:>7.2f} {r['encode_plan_ms']:>14.3f} ({r['plan_bytes']:>6}) "
-                  f"{r['encode_outputs_ms']:>18.3f}")
+                  f"{r['per_seq_us']:>7.2f}")
 
 
 if __name__ == "__main__":

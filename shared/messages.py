@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, declared once.
 
-Wires (see docs/design.md):
+Wires (see ../DESIGN.md):
 
     gateway ──GenerationRequest──▶ Redis ──▶ scheduler          (request stream)
     gateway ──AbortRequest───────▶ Redis ──▶ scheduler          (abort stream)
