@@ -136,3 +136,18 @@ def test_a_plain_pytest_run_collects_the_kernel_tests():
     options = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "kernels/tests" in options["testpaths"]
     assert list((REPO / "kernels" / "tests").glob("test_*.py"))
+
+
+# How a doc came to be is no use to its reader: rounds of work, issue numbers, machines
+# named by date. Generators are scanned too, so a regenerated doc stays clean.
+NARRATION = re.compile(r"\bissue \d|must-show|\bsessions?\b|\bround \d|\bearlier run\b|"
+                       r"\bdevelopment machine\b|\bmachine of \d|\bformer\b", re.IGNORECASE)
+
+
+def test_no_doc_or_doc_generator_narrates_how_it_was_built():
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "deploy").iterdir()), *sorted((REPO / "loadtest").glob("*.py"))]
+    found = [f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+             for p in files if p.is_file()
+             for n, line in enumerate(p.read_text().splitlines(), 1) if NARRATION.search(line)]
+    assert found == [], "\n".join(found)
