@@ -147,6 +147,9 @@ def test_each_service_listens_on_the_port_compose_exposes(compose, monkeypatch):
             assert args.bind_host == "0.0.0.0" and args.advertise_host == "executor"
         if name == "gateway":
             assert args.host == "0.0.0.0"
+        if name == "scheduler":      # its metrics port answers the compose network
+            from services.launcher import scheduler_config
+            assert scheduler_config(args).metrics_host == "0.0.0.0"
         assert exposed == wanted, name
     # The scheduler dials the executor by the name both executor services answer to.
     sched = parse_with_launcher(compose["services"]["scheduler"]["command"],
