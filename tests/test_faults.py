@@ -114,7 +114,7 @@ def requests_with_output(cluster: Cluster) -> int:
     the same stream does not count)."""
     r = redis.Redis.from_url(cluster.redis_url)
     return sum(any(MSG_FIELD in fields for _eid, fields in r.xrange(key))
-               for key in r.scan_iter(match=cluster.keys.output("*")))
+               for key in r.scan_iter(match=cluster.keys.output("*"), _type="STREAM"))
 
 
 def test_scheduler_kill_9_loses_no_queued_request(cluster):
