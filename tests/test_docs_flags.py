@@ -143,7 +143,8 @@ def test_a_plain_pytest_run_collects_the_kernel_tests():
 
 # How a doc came to be is no use to its reader: rounds of work, issue numbers, machines
 # named by date. Generators are scanned too, so a regenerated doc stays clean.
-NARRATION = re.compile(r"\bissue \d|must-show|\bsessions?\b|\bround \d|\bearlier run\b|"
+NARRATION = re.compile(r"\bissue \d|must-show|\bsession \d|\bsessions\b|"
+                       r"\b(same|this|that|earlier) session\b|\bround \d|\bearlier run\b|"
                        r"\bdevelopment machine\b|\bmachine of \d|\bformer\b", re.IGNORECASE)
 
 
