@@ -201,10 +201,10 @@ class TileConfig:
 
 # Decode-only batches (T == B): a tile holds 1 token x GROUP heads, so the smallest tile
 # tl.dot accepts; more rows would be arithmetic on padding. 128 context tokens per step,
-# 4 warps and 3 stages: 10 % under the former 64 / 4 / 2 and level with the fastest of 12
-# configs tried in bf16 on an H200 (8 warps, which spills under Triton 3.6; bench_paged_
-# attention --tune, docs/kernels.md). fp32 decodes (the exactness path) keep the former
-# config: the tuning ran in bf16 only. Batches with prefill chunks: 64 rows, so each K/V
+# 4 warps and 3 stages: 10 % under 64 / 4 / 2 and level with the fastest of 12 configs
+# tried in bf16 on an H200 (8 warps, which spills under Triton 3.6; bench_paged_attention
+# --tune, docs/kernels.md). fp32 decodes (the exactness path) use 64 / 4 / 2, untuned:
+# the tuning ran in bf16 only. Batches with prefill chunks: 64 rows, so each K/V
 # tile loaded is reused by more query rows.
 DECODE_TILES = TileConfig(min_block_m=16, block_n=128, num_warps=4, num_stages=3)
 DECODE_TILES_FP32 = TileConfig(min_block_m=16, block_n=64, num_warps=4, num_stages=2)

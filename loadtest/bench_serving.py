@@ -13,7 +13,7 @@ the batch. The HF baseline gets the same budget: a static batch of 7 max-length 
 Per system and rate it reports TTFT, TPOT, ITL and end-to-end latency percentiles, the
 paper's normalized latency (end-to-end ÷ output tokens), request and token throughput, and
 goodput under the stated SLOs; then the sustained rate (highest rate whose mean normalized
-latency stays under the SLO) and its ratios. `--write-docs` writes docs/benchmarks.md and
+latency stays under the SLO) and its ratios. `--write-docs` writes its block of docs/benchmarks.md (the prose around it stays) and
 PNG plots.
 
     python loadtest/bench_serving.py --rates 0.25,0.5,1,2 --requests 40 --json --write-docs
@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loadtest.docgen import commit, machine, write_block  # noqa: E402
 from loadtest.workloads import poisson_arrivals, sharegpt_like  # noqa: E402
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 
@@ -325,13 +326,16 @@ def write_docs(res: dict, args, figures: dict, bounded: list[str], sweep: dict) 
     fig.savefig(docs / "serving_kv_usage.png", dpi=120)
 
     lines = [
-        "# Serving benchmark",
+        "<!-- written by loadtest/bench_serving.py --write-docs; edit the script, not this "
+        "block -->",
+        "## The run",
         "",
         "Produced by `loadtest/bench_serving.py` (command below); every system ran in the same",
         "invocation on the same machine, model, dtype, prompts and output lengths.",
         "",
         f"    {args.command}",
         "",
+        f"- code at commit {commit()}, on {machine(args.device)}",
         f"- model: {MODEL}, dtype {args.dtype}, device {args.device}",
         f"- workload: {args.requests} ShareGPT-like requests (seed {args.seed}), lengths scaled by "
         f"{args.length_scale:g} (prompts ~{161 * args.length_scale:.0f}, outputs "
@@ -381,7 +385,7 @@ def write_docs(res: dict, args, figures: dict, bounded: list[str], sweep: dict) 
     lines += ["", "![normalized latency](serving_normalized_latency.png)", "",
               "![latency CDF](serving_latency_cdf.png)", "",
               "![KV usage and batch size](serving_kv_usage.png)", ""]
-    (docs / "benchmarks.md").write_text("\n".join(lines))
+    write_block(docs / "benchmarks.md", "bench_serving", lines)
 
 
 def main() -> None:

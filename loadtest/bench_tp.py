@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, workload  # noqa: E402
+from loadtest.docgen import commit, machine, write_block  # noqa: E402
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 from shared.control import ExecutorClient  # noqa: E402
 
@@ -136,11 +136,11 @@ def estimate(gpu_gib: float, util: float = 0.9, batch: int = 64, context: int = 
 def write_docs(measured: list[dict], est: list[dict], args, path: Path) -> None:
     lines = [
         "<!-- written by loadtest/bench_tp.py --write-docs; edit the script, not this block -->",
-        "## Measured on this machine", "",
+        "## Measured", "",
         f"    python loadtest/bench_tp.py --tp {args.tp} --device {args.device} "
         f"--requests {args.requests} --output-tokens {args.output_tokens} --write-docs", "",
-        f"SmolLM2-135M-Instruct, {args.dtype}, device {args.device}, {os.cpu_count()} CPU cores, "
-        f"{args.requests} streaming requests of {args.output_tokens} tokens.", "",
+        f"SmolLM2-135M-Instruct, {args.dtype}, on {machine(args.device)}, code at commit "
+        f"{commit()}; {args.requests} streaming requests of {args.output_tokens} tokens.", "",
         "| TP | output tok/s | vs TP=1 | memory per rank (GiB) | KV pool (tokens) |",
         "|---|---|---|---|---|"]
     base = measured[0]["out_tok_s"]
@@ -164,14 +164,7 @@ def write_docs(measured: list[dict], est: list[dict], args, path: Path) -> None:
         lines.append(f"| {e['model']} | {e['tp']} | {e['weights_gib']:.1f} | "
                      f"{e['kv_kib_per_token']:.0f} | {e['kv_tokens']:,} | "
                      f"{e['allreduce_mib_per_step']:.0f} | {step} | {sp} |")
-    block = "\n".join(lines) + "\n"
-    text = path.read_text() if path.exists() else ""
-    start, end = "<!-- bench_tp:start -->\n", "<!-- bench_tp:end -->\n"
-    if start in text and end in text:
-        text = text[:text.index(start) + len(start)] + block + text[text.index(end):]
-    else:
-        text += start + block + end
-    path.write_text(text)
+    write_block(path, "bench_tp", lines)
 
 
 def main() -> None:

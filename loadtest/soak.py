@@ -22,7 +22,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loadtest.docgen import commit, machine, write_block  # noqa: E402
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 
 SAMPLE_S = 5.0          # RSS sampling period (s)
@@ -168,14 +168,14 @@ def soak(args) -> dict:
 def write_docs(result: dict, command: str) -> Path:
     r = result
     lines = [
-        "# Soak: Locust at saturation",
+        "<!-- written by loadtest/soak.py --write-docs; edit the script, not this block -->",
+        "## The run",
         "",
-        "Produced by `loadtest/soak.py` on a fresh local stack (issue 6, must-show 3):",
+        "A fresh local stack under Locust at saturation, reproduced by:",
         "",
         f"    {command}",
         "",
-        f"- {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"device {r['device']}; "
+        f"- code at commit {commit()}, on {machine(r['device'])}, device {r['device']}; "
         f"{r['users']} Locust users (a refused one retries after Retry-After), engine batch "
         f"{r['max_num_seqs']}, queue limit {r['max_queue']} (so 429s are intended), "
         f"max_tokens {r['max_tokens']}, {r['minutes']:g} min, warm-up {r['warmup_s']:g} s",
@@ -199,7 +199,7 @@ def write_docs(result: dict, command: str) -> Path:
         lines += ["", "Failures other than 429:", ""]
         lines += [f"- {k}: {v}" for k, v in r["failure_kinds"].items()]
     path = ROOT / "docs" / "soak.md"
-    path.write_text("\n".join(lines) + "\n")
+    write_block(path, "soak", lines)
     return path
 
 

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,7 +43,8 @@ _GATEWAY = [
     ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
     ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
     ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 (empty: open)"),
-    ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int, "queued requests before 429"),
+    ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int,
+     "unfinished requests (waiting or running, over all gateways) before 429"),
     ("--served-model-name", "PAGEDSERVE_SERVED_MODEL_NAME", None, "names",
      "names clients may pass as model (space- or comma-separated; the first is echoed)"),
     ("--resume-grace-s", "PAGEDSERVE_RESUME_GRACE_S", 30.0, float,
@@ -59,6 +61,8 @@ _SCHEDULER = [
     ("--no-prefix-caching", "PAGEDSERVE_NO_PREFIX_CACHING", False, "flag", "disable prefix caching"),
     ("--contiguous", "PAGEDSERVE_CONTIGUOUS", False, "flag",
      "baseline: reserve max-model-len slots per request up front"),
+    ("--metrics-host", "PAGEDSERVE_METRICS_HOST", "127.0.0.1", str,
+     "bind address of the scheduler's own /metrics"),
 ]
 _EXECUTOR = [
     ("--bind-host", "PAGEDSERVE_BIND_HOST", "127.0.0.1", str, "executor bind address (ZeroMQ, gRPC)"),
@@ -70,7 +74,8 @@ _EXECUTOR = [
     ("--block-size", "PAGEDSERVE_BLOCK_SIZE", 16, int, "tokens per KV block (8, 16, 32)"),
     ("--kv-cache-gib", "PAGEDSERVE_KV_CACHE_GIB", 1.0, float, "KV pool size on the CPU (GiB)"),
     ("--gpu-memory-utilization", "PAGEDSERVE_GPU_MEMORY_UTILIZATION", 0.9, float,
-     "fraction of free GPU memory for the KV pool"),
+     "fraction of the GPU's total memory this executor may hold (weights, activations "
+     "and the KV pool)"),
     ("--swap-space-gib", "PAGEDSERVE_SWAP_SPACE_GIB", 1.0, float, "CPU swap pool (GiB)"),
     ("--num-gpu-blocks", "PAGEDSERVE_NUM_GPU_BLOCKS", None, int,
      "fix the KV pool size in blocks (overrides the memory-based sizing)"),
@@ -183,8 +188,10 @@ def executor_config(args):
     from services.executor.config import ExecutorConfig
     from services.executor.service import ExecutorServiceConfig
 
+    # dist_host keeps its loopback default: the ranks of one executor share a host (rank 0
+    # starts the others), whatever address the executor serves on.
     runner = _fill(ExecutorConfig, args, max_num_batched_tokens=args.max_num_batched_tokens,
-                   dist_host=args.advertise_host or args.bind_host, rank=args.rank or 0)
+                   rank=args.rank or 0)
     return _fill(ExecutorServiceConfig, args, runner=runner)
 
 
@@ -293,25 +300,66 @@ def _healthcheck(args) -> int:
 
 # ---------------------------------------------------------------- the whole stack
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
-def free_ports(n: int) -> int:
-    """The first of n consecutive free ports (ZeroMQ takes p and p + 1; gRPC of rank r takes
-    p + r)."""
-    while True:
-        base = free_port()
-        try:
-            for p in range(base + 1, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
+_RESERVED: dict[int, int] = {}     # port -> fd of its lock file, held until this process exits
+
+
+def _reserve(port: int) -> bool:
+    """Claim `port` for this process: free to bind on 127.0.0.1 now, and not claimed by any
+    other process that uses this function (an flock on a file named after it)."""
+    if port in _RESERVED:
+        return False
+    folder = os.path.join(tempfile.gettempdir(), "pagedserve-ports")
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, str(port)), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    except OSError:
+        os.close(fd)
+        return False
+    _RESERVED[port] = fd
+    return True
+
+
+def free_ports(n: int = 1) -> int:
+    """The first of n consecutive TCP ports for services this process starts (ZeroMQ takes p
+    and p + 1; gRPC of rank r takes p + r).
+
+    NOTE: a port the kernel hands out for bind(0) is an ephemeral one, and any outgoing
+    connection on the machine may take it again before the service binds it. These ports
+    lie below the ephemeral range, where only an explicit bind lands, and each is claimed
+    (see `_reserve`) so that concurrent test runs and stacks do not pick the same one."""
+    low = 10000
+    high = min(_ephemeral_range()[0], 65536) - n
+    rng = random.Random()
+    for _ in range(10000):
+        base = rng.randrange(low, high)
+        claimed = []
+        for p in range(base, base + n):
+            if not _reserve(p):
+                break
+            claimed.append(p)
+        if len(claimed) == n:
             return base
-        except OSError:
-            continue
+        for p in claimed:
+            os.close(_RESERVED.pop(p))
+    raise RuntimeError(f"no {n} consecutive free ports between {low} and {high + n}")
+
+
+def free_port() -> int:
+    """One TCP port for a service this process starts (see free_ports)."""
+    return free_ports(1)
 
 
 class Stack:

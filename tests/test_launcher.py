@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from services.launcher import build_parser
+from services.launcher import _ephemeral_range, _reserve, build_parser, free_ports
 from tests.conftest import REPO
 
 
@@ -71,3 +71,25 @@ def test_served_model_names_and_the_resume_grace_reach_the_gateway(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_RESUME_GRACE_S", "7.5")
     cfg = gateway_config(build_parser().parse_args(["gateway"]))
     assert (cfg.served_model_name, cfg.resume_grace_s) == (["a", "b"], 7.5)
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    # An ephemeral port can be taken by any outgoing connection before a service binds it.
+    low, _high = _ephemeral_range()
+    ports = [free_ports(3) for _ in range(50)]
+    assert all(p + 2 < low for p in ports), ports
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_port_claimed_by_another_process_is_not_handed_out_until_it_exits():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from services.launcher import free_port; "
+         "print(free_port(), flush=True); sys.stdin.read()"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        assert not _reserve(port)        # the port is free to bind, but claimed
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert _reserve(port)                # the claim ended with its process

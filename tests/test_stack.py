@@ -87,27 +87,71 @@ def test_64_concurrent_streams_match_the_offline_engine(stack):
     assert near_ties <= 2
 
 
-def test_disconnect_mid_stream_frees_blocks_within_a_second(stack):
+def test_disconnect_mid_stream_frees_blocks_within_a_few_steps(stack):
     body = {"model": MODEL, "prompt": "Tell me a very long story about dragons.",
             "max_tokens": 1000, "temperature": 0.8, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=stack.base_url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            seen = 0
+            arrivals = []
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    seen += 1
-                if seen >= 5:
+                    arrivals.append(time.monotonic())
+                if len(arrivals) >= 6:
                     break
             assert stack.metric("pagedserve:gpu_blocks_used") > 0
         # leaving the `with` closes the connection mid-stream
     closed = time.monotonic()
-    while time.monotonic() - closed < 1.0:
+    # The gateway sends the abort at once; the scheduler applies it before its next step
+    # and publishes its gauges every 0.2 s. Bound: a few steps as measured on this run
+    # (the machine may be shared), plus the publishing period and delivery.
+    step = max(b - a for a, b in zip(arrivals[1:], arrivals[2:]))
+    bound = 0.5 + 3 * step
+    while time.monotonic() - closed < bound:
         if (stack.metric("pagedserve:gpu_blocks_used") == 0
                 and stack.metric("vllm:num_requests_running") == 0):
             break
         time.sleep(0.05)
-    assert stack.metric("pagedserve:gpu_blocks_used") == 0, "blocks still held 1 s after disconnect"
+    assert stack.metric("pagedserve:gpu_blocks_used") == 0, \
+        f"blocks still held {bound:.2f} s after the disconnect (step {step:.3f} s)"
+    assert stack.metric("vllm:num_requests_running") == 0
+
+
+# The vLLM metric families the README promises on /metrics (the gateway merges every
+# scheduler's exposition into its own).
+VLLM_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")
+VLLM_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+               "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc")
+
+
+def test_vllm_metrics_count_a_real_request(stack):
+    before = {f"{h}_count": stack.metric(f"{h}_count") for h in VLLM_HISTOGRAMS}
+    before.update({c: stack.metric(c) for c in VLLM_COUNTERS + ("vllm:num_preemptions_total",)})
+    for gauge in VLLM_GAUGES:
+        stack.metric(gauge)      # present (KeyError otherwise)
+    tokens = 40
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    usage_seen = False
+    with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not usage_seen and line.startswith("data: {"):
+                    # while the request runs, its blocks show in the KV usage gauge
+                    usage_seen = stack.metric("vllm:kv_cache_usage_perc") > 0
+    assert usage_seen, "vllm:kv_cache_usage_perc stayed 0 while a request held KV blocks"
+    _settled(stack, "vllm:generation_tokens_total")
+    after = {name: stack.metric(name) for name in before}
+    for h in VLLM_HISTOGRAMS:
+        assert after[f"{h}_count"] > before[f"{h}_count"], h
+    assert after["vllm:inter_token_latency_seconds_count"] - before[
+        "vllm:inter_token_latency_seconds_count"] >= tokens - 1
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == tokens
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] >= 7
+    assert stack.metric("vllm:e2e_request_latency_seconds_sum") > 0
     assert stack.metric("vllm:num_requests_running") == 0
 
 

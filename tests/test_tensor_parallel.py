@@ -9,12 +9,18 @@ test checks that gap explicitly instead of skipping the prompt.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from shared.control import ExecutorClient
+from tests.cluster import Cluster
 from tests.conftest import start_stack, stop_process
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -64,7 +70,97 @@ def test_tp3_smollm2_matches_tp1_token_for_token(stack, tp3):
     assert identical >= len(PROMPTS) - 1, f"only {identical} of {len(PROMPTS)} identical"
 
 
-def test_tp3_stack_reports_blocks_free_after_the_requests(tp3):
+def test_tp3_stack_serves_a_request_and_frees_its_blocks(tp3):
+    before = tp3.metric("vllm:generation_tokens_total")
+    reply = _chat(tp3.base_url, "Count from one to ten.")
+    assert reply
+    deadline = time.monotonic() + 30
+    while tp3.metric("vllm:generation_tokens_total") < before + len(reply):
+        assert time.monotonic() < deadline, "the TP=3 scheduler's counters never moved"
+        time.sleep(0.1)
     with urllib.request.urlopen(tp3.base_url + "/health", timeout=5) as r:
         assert r.status == 200
-    assert tp3.metric("pagedserve:gpu_blocks_used") == 0
+    deadline = time.monotonic() + 30
+    while tp3.metric("pagedserve:gpu_blocks_used") != 0:
+        assert time.monotonic() < deadline, "blocks still held after the request finished"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs of a process's children (for a rank-0 executor: the ranks it started)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _stream_outcome(base_url: str, max_tokens: int, started: threading.Event) -> dict:
+    """Stream one completion; what happened: chunks seen, finish reason, error."""
+    out = {"chunks": 0, "finish": None, "error": None}
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me about the sea.",
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]["message"]
+                for choice in event.get("choices", []):
+                    out["chunks"] += 1
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+                started.set()
+    except httpx.HTTPError as exc:        # serve stopping the gateway cuts the stream
+        out["error"] = f"transport: {exc}"
+    started.set()
+    return out
+
+
+def test_a_lost_rank_fails_the_request_and_restarting_the_group_recovers(redis_server):
+    """The executor run under a supervisor (here the test, as compose's restart policy would):
+    a rank that dies takes rank 0 down with status 1, the request in flight ends with an
+    explicit error, /health says 503 until the group is restarted, then requests work."""
+    cluster = Cluster(redis_server.url, exec_flags=["--tensor-parallel-size", "3"])
+    try:
+        cluster.start_all()
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_stream_outcome, cluster.base_url, 2000, started)
+            assert started.wait(120), "the stream never started"
+            executor = cluster.procs["executor"]
+            ranks = _children(executor.pid)
+            assert len(ranks) == 2, ranks
+            os.kill(ranks[1], signal.SIGKILL)
+            assert executor.wait(timeout=30) == 1, "rank 0 did not stop with status 1"
+            out = pending.result(timeout=60)
+        # an error event from the stack, not a cut connection
+        assert out["finish"] != "length" and out["error"], out
+        assert not out["error"].startswith("transport"), out
+        deadline = time.monotonic() + 30
+        while cluster.get("/health")[0] != 503:
+            assert time.monotonic() < deadline, "/health did not report the lost executor"
+            time.sleep(0.1)
+        del cluster.procs["executor"]
+        cluster.start_executor()          # the supervisor's restart: the whole group again
+        deadline = time.monotonic() + 60
+        while cluster.get("/health")[0] != 200:
+            assert time.monotonic() < deadline, "/health did not recover"
+            time.sleep(0.2)
+        again = _stream_outcome(cluster.base_url, 8, threading.Event())
+        assert again["error"] is None and again["finish"] == "length", again
+    finally:
+        cluster.stop_all()
+
+
+def test_a_lost_rank_stops_serve_with_status_1(tp3):
+    """Under `serve`, a lost rank stops the executor and with it the whole stack (status 1);
+    the request in flight does not finish as if nothing happened. Runs last: it ends tp3."""
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_stream_outcome, tp3.base_url, 2000, started)
+        assert started.wait(120), "the stream never started"
+        executor = next(pid for pid in _children(tp3.proc.pid) if _children(pid))
+        os.kill(_children(executor)[0], signal.SIGKILL)
+        assert tp3.proc.wait(timeout=60) == 1
+        out = pending.result(timeout=60)
+    assert out["finish"] != "length" and out["error"], out
+

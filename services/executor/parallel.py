@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -59,6 +60,32 @@ class Shard:
         return first, first + base + (self.rank < extra)
 
 
+def _rendezvous_store(shard: Shard, host: str, port: int, timeout: timedelta):
+    """The key-value store the ranks meet at: rank 0 serves it on `host`:`port` only.
+
+    NOTE: torch's TCPStore server listens on every interface whatever host it is given;
+    handed a socket already bound to `host`, it listens there alone. The store takes
+    unauthenticated writes, so it stays on the address the executor was told to use.
+    """
+    from torch.distributed import TCPStore
+
+    if shard.rank != 0:
+        return TCPStore(host, port, shard.size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ExecutorConfigError(f"the tensor-parallel rendezvous cannot listen on "
+                                  f"{host}:{port} ({exc.strerror}): free the port or pass "
+                                  f"another --dist-port") from None
+    return TCPStore(host, port, shard.size, True, timeout, wait_for_workers=False,
+                    master_listen_fd=sock.detach())
+
+
 class ProcessGroup:
     """The ranks of one executor. With one rank every collective is a no-op."""
 
@@ -85,14 +112,17 @@ class ProcessGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(device)
-        if backend == "gloo" and host in ("127.0.0.1", "localhost"):
-            # NOTE: gloo uses the interface of the machine's hostname unless told; ranks on
-            # one machine talk over loopback (set GLOO_SOCKET_IFNAME for several hosts).
+        if host in ("127.0.0.1", "localhost"):
+            # NOTE: gloo and NCCL's bootstrap use the interface of the machine's hostname
+            # unless told; ranks on one machine talk over loopback.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         log.info("rank %d/%d joining the %s group at %s:%d", shard.rank, shard.size, backend,
                  host, port)
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=shard.rank,
-                                world_size=shard.size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = _rendezvous_store(shard, host, port, timeout)
+        dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.size,
+                                timeout=timeout)
         return cls(shard, backend)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

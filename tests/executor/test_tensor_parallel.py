@@ -8,6 +8,8 @@ sharded KV pool, the cache operations and the all-reduces are all on the path.
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ class RankGroup:
 
     def __init__(self, model: str, tp: int, *flags: str) -> None:
         self.grpc, self.zmq_port, dist = free_ports(tp), free_ports(tp + 1), free_port()
+        self.plans, self.results = [], None
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "services.launcher", "executor", "--model", model,
              "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", str(tp),
@@ -52,7 +55,6 @@ class RankGroup:
             time.sleep(0.2)
         self.info = self.client.describe()
         ctx = zmq.Context.instance()
-        self.plans = []
         for ep in self.info.plan_endpoints:
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
@@ -70,7 +72,7 @@ class RankGroup:
         return decode(self.results.recv(), StepResult)
 
     def close(self) -> None:
-        for s in self.plans + [self.results]:
+        for s in self.plans + [self.results] * (self.results is not None):
             s.close()
         for p in self.procs:
             stop_process(p, timeout=10)
@@ -148,3 +150,40 @@ def test_heads_that_do_not_split_are_refused_with_the_sizes_that_work(tiny8):
     with pytest.raises(TensorParallelError, match=r"8 attention heads and 4 key/value heads.*"
                        r"3 ranks.*divides both \(1, 2, 4\)"):
         tiny_runner(tiny8, tensor_parallel_size=3, rank=0)
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets that processes `pids` listen on."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            found.append(line.split()[3])
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    """`ss`'s local address ("127.0.0.1:5", "[::ffff:127.0.0.1]:5", "*:5") is loopback."""
+    try:
+        ip = ipaddress.ip_address(address.rsplit(":", 1)[0].strip("[]").split("%")[0])
+    except ValueError:      # "*": every interface
+        return False
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def test_the_ranks_listen_on_loopback_only_and_shutdown_stops_every_rank(tiny8):
+    group = RankGroup(str(tiny8), 2, "--num-gpu-blocks", "16", "--block-size", str(BLOCK))
+    try:
+        pids = {p.pid for p in group.procs}
+        addresses = _listening(pids)
+        # gRPC and ZeroMQ of both ranks, and the rendezvous store of rank 0 at least
+        assert len(addresses) >= 6, addresses
+        assert all(_is_loopback(a) for a in addresses), "\n".join(addresses)
+        group.client.shutdown()
+        deadline = time.monotonic() + 30
+        while any(p.poll() is None for p in group.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p.poll() for p in group.procs] == [0, 0], "a rank outlived Shutdown"
+    finally:
+        group.close()

@@ -1,0 +1,62 @@
+"""Helpers of the benchmarks that write docs: where the figures come from (the code, the
+machine), and the generated block of a doc, replaced without touching the prose around it."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """The checked-out commit, with "+changes" when the tree differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown commit"
+    return f"{head}+changes" if dirty else head or "unknown commit"
+
+
+def cpu() -> str:
+    """The CPU model and the cores this process may use, e.g. "AMD EPYC 9R14, 2 cores"."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields:      # virtual machines often report a bare vendor name
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores"
+
+
+def machine(device: str = "cpu") -> str:
+    """The CPU, and the GPU when `device` is one."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+            return f"{torch.cuda.get_device_name(0)}, host {cpu()}"
+        except Exception:
+            return f"a CUDA GPU, host {cpu()}"
+    return cpu()
+
+
+def write_block(path: Path, name: str, lines: list[str]) -> None:
+    """Put `lines` between `<!-- name:start -->` and `<!-- name:end -->` in `path` (appended
+    with its markers when absent); everything outside the markers is left as it is."""
+    block = "\n".join(lines) + "\n"
+    text = path.read_text() if path.exists() else ""
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->\n"
+    if start in text and end in text:
+        text = text[:text.index(start) + len(start)] + block + text[text.index(end):]
+    else:
+        text += ("\n" if text and not text.endswith("\n") else "") + start + block + end
+    path.write_text(text)
