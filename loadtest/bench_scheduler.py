@@ -4,6 +4,8 @@ N requests (ShareGPT-like prompts, outputs long enough not to finish) are prefil
 the benchmark times decode steps with all N sequences running. Building the StepResult (the
 executor's job) is outside the timed region; everything the scheduler does per step is in it:
 choosing the batch, block growth, the plan's diffs, applying sampled tokens, the outputs.
+`wire_ms` (in --json) is timed apart: what the scheduler service adds per step on the
+executor's wire, encoding the plan and decoding the result (shared/wire.py).
 
     python loadtest/bench_scheduler.py [--sizes 64,256,1024] [--steps 300] [--repeats 3]
                                        [--gc default|service|both] [--json]
@@ -41,6 +43,7 @@ from loadtest.workloads import SHAREGPT, sample_lengths  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
 from shared.messages import GenerationRequest, SamplingParams, StepResult  # noqa: E402
+from shared.wire import decode, encode  # noqa: E402
 
 
 def fake_result(plan, token: int = 7) -> StepResult:
@@ -82,20 +85,26 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         sched.update(plan, fake_result(plan))
     gc.collect()
     times = []
+    wire = []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        result = fake_result(plan)
+        result = encode(fake_result(plan))
         t2 = time.perf_counter()
-        outs = sched.update(plan, result)
+        encode(plan)
+        result = decode(result, StepResult)
         t3 = time.perf_counter()
+        outs = sched.update(plan, result)
+        t4 = time.perf_counter()
         assert len(plan.seq_ids) == num_seqs and len(outs) == num_seqs
-        times.append((t1 - t0) + (t3 - t2))
+        times.append((t1 - t0) + (t4 - t3))
+        wire.append(t3 - t2)
     if gc_freeze:
         gc.unfreeze()
         gc.set_threshold(*old_threshold)
     return {"median_ms": statistics.median(times) * 1e3,
+            "wire_ms": statistics.median(wire) * 1e3,
             "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
             "per_seq_us": statistics.median(times) * 1e6 / num_seqs}
 
@@ -122,8 +131,10 @@ def main() -> None:
                     res[m][n] = run
     if args.json:
         key = {"service": "step_ms", "default": "step_ms_default_gc"}
-        print(json.dumps({key[m]: {str(n): round(r["median_ms"], 4) for n, r in res[m].items()}
-                          for m in modes}))
+        out = {key[m]: {str(n): round(r["median_ms"], 4) for n, r in res[m].items()}
+               for m in modes}
+        out["wire_ms"] = {str(n): round(r["wire_ms"], 4) for n, r in res[modes[0]].items()}
+        print(json.dumps(out))
         return
     print(f"{'gc':>8} {'running seqs':>12} {'median ms':>10} {'p90 ms':>8} {'us/seq':>7}")
     for m in modes:

@@ -244,23 +244,17 @@ class BlockManager:
     def swap_out(self, seqs: list[Sequence]) -> list[list[int]]:
         """Move a group's GPU blocks to the CPU pool; returns [[gpu, cpu], ...]. The tables then
         hold CPU ids. A GPU block also mapped by other groups (a cached prefix) stays for them."""
-        mapping: dict[int, int] = {}
-        pairs: list[list[int]] = []
-        cpu = self.cpu
+        gpu, cpu = self.gpu, self.cpu
+
+        def to_cpu(b: int) -> int:
+            c = cpu.allocate()
+            cpu.num_tokens[c] = gpu.num_tokens[b]
+            return c
+
+        # NOTE: tail blocks released first, as in free(): a prompt's last blocks leave the
+        # prefix cache before its first ones.
+        pairs = self._move(seqs, to_cpu, cpu.share, gpu.release)
         for seq in seqs:
-            new_table = []
-            for b in seq.block_table:
-                c = mapping.get(b)
-                if c is None:
-                    c = mapping[b] = cpu.allocate()
-                    cpu.num_tokens[c] = self.gpu.num_tokens[b]
-                    pairs.append([b, c])
-                else:
-                    cpu.ref_count[c] += 1
-                new_table.append(c)
-            for b in reversed(seq.block_table):
-                self.gpu.release(b)
-            seq.block_table = new_table
             seq.num_cached_blocks = 0
             seq.cache_chain_broken = False
         self.swapped_out_blocks_total += len(pairs)
@@ -268,24 +262,38 @@ class BlockManager:
 
     def swap_in(self, seqs: list[Sequence]) -> list[list[int]]:
         """Move a swapped group back into fresh GPU blocks; returns [[cpu, gpu], ...]."""
+        gpu, cpu = self.gpu, self.cpu
+
+        def to_gpu(c: int) -> int:
+            b = gpu.allocate()
+            gpu.fill(b, cpu.num_tokens[c])
+            return b
+
+        pairs = self._move(seqs, to_gpu, gpu.touch, cpu.release)
+        self.swapped_in_blocks_total += len(pairs)
+        return pairs
+
+    @staticmethod
+    def _move(seqs: list[Sequence], copy: Callable[[int], int], share: Callable[[int], None],
+              release: Callable[[int], None]) -> list[list[int]]:
+        """Re-map the seqs' tables into the other pool: each distinct block is copied once
+        (`copy` returns its new id; a block shared inside the group stays shared: `share`),
+        then the old entries are released, tail first. Returns the [old, new] pairs."""
         mapping: dict[int, int] = {}
         pairs: list[list[int]] = []
-        cpu = self.cpu
         for seq in seqs:
             new_table = []
-            for c in seq.block_table:
-                b = mapping.get(c)
-                if b is None:
-                    b = mapping[c] = self.gpu.allocate()
-                    self.gpu.fill(b, cpu.num_tokens[c])
-                    pairs.append([c, b])
+            for old in seq.block_table:
+                new = mapping.get(old)
+                if new is None:
+                    new = mapping[old] = copy(old)
+                    pairs.append([old, new])
                 else:
-                    self.gpu.touch(b)
-                new_table.append(b)
-            for c in seq.block_table:
-                cpu.release(c)
+                    share(new)
+                new_table.append(new)
+            for old in reversed(seq.block_table):
+                release(old)
             seq.block_table = new_table
-        self.swapped_in_blocks_total += len(pairs)
         return pairs
 
     # ------------------------------------------------------------ prefix cache

@@ -221,6 +221,10 @@ class CpuBlockPool:
         self.ref_count[c] = 1
         return c
 
+    def share(self, c: int) -> None:
+        """One more table entry maps CPU block c (a block shared inside a swapped group)."""
+        self.ref_count[c] += 1
+
     def release(self, c: int) -> None:
         self.ref_count[c] -= 1
         if self.ref_count[c] == 0:
