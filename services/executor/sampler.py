@@ -4,6 +4,7 @@ Per row, in this order (vLLM semantics):
 
     raw logits ──log_softmax──▶ reported logprob, top candidates
         │
+        ├─ grammar bitmask (the scheduler's, constrained rows only): disallowed tokens banned
         ├─ allowed_token_ids: every other token banned
         ├─ logit_bias added; bad words' last tokens banned where the output ends in the rest
         ├─ stop tokens banned while fewer than min_tokens outputs exist
@@ -45,6 +46,29 @@ class SampleRow:
 
 
 @dataclass(slots=True)
+class TokenMask:
+    """The plan's grammar bitmasks (shared/messages.py, StepPlan.token_bitmask): for sampling
+    row rows[j], bit b of int32 word w of mask j allows token 32 * w + b."""
+
+    rows: list[int]
+    words: int
+    bits: bytes
+
+    def allowed(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """Bool [len(rows), vocab]: unpacked on the device in one op. Tokens past the mask's
+        width (logits padded beyond the tokenizer's vocabulary) are never allowed."""
+        packed = torch.frombuffer(bytearray(self.bits), dtype=torch.int32)
+        packed = packed.view(len(self.rows), self.words).to(device)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = ((packed[:, :, None] >> shifts) & 1).view(len(self.rows), 32 * self.words)
+        if bits.shape[1] >= vocab:
+            return bits[:, :vocab].bool()
+        out = torch.zeros((len(self.rows), vocab), dtype=torch.bool, device=device)
+        out[:, :bits.shape[1]] = bits.bool()
+        return out
+
+
+@dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]          # raw log_softmax of the sampled token
@@ -68,9 +92,11 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-        """Sample one token per row of fp32 logits [R, V] (CPU or GPU)."""
-        x = self._constrained_logits(logits, rows)
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 mask: TokenMask | None = None) -> SampleOutput:
+        """Sample one token per row of fp32 logits [R, V] (CPU or GPU); `mask` bans what
+        the grammar of each constrained row does not allow (the logprobs stay raw)."""
+        x = self._constrained_logits(logits, rows, mask)
         if (x is logits and logits.device.type == "cpu" and logits.dtype == torch.float32
                 and cpu_kernels.kernels() is not None
                 and all(r.params.temperature < _GREEDY_EPS and not r.params.logprobs
@@ -100,7 +126,8 @@ class Sampler:
 
     # ------------------------------------------------------------------ logits processing
 
-    def _constrained_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _constrained_logits(self, logits: torch.Tensor, rows: list[SampleRow],
+                            mask: TokenMask | None = None) -> torch.Tensor:
         """Logits with token masks, biases, min_tokens bans and penalties applied (a copy
         only if anything applies). Every kind is one batched tensor operation."""
         allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
@@ -121,10 +148,15 @@ class Sampler:
         pen = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
                or r.params.frequency_penalty != 0.0]
-        if not (allowed or bias_at[0] or banned[0] or pen):
+        if not (mask or allowed or bias_at[0] or banned[0] or pen):
             return logits
         x = logits.clone()
         dev = x.device
+        if mask:
+            # One batched masked_fill over the constrained rows (a no-op on allowed logits:
+            # greedy picks the same token as unconstrained whenever the grammar allows it).
+            at = torch.tensor(mask.rows, device=dev)
+            x[at] = x[at].masked_fill(~mask.allowed(x.shape[1], dev), float("-inf"))
         if allowed:
             keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool)
             for j, i in enumerate(allowed):

@@ -8,8 +8,9 @@ Choices, as vLLM's OpenAI server makes them unless said otherwise (documented in
   (`store`, `metadata`, `service_tier`, `reasoning_effort`, `prompt_cache_key`,
   `functions: null`, ...), are accepted and ignored; each ignored name is logged once.
   Fields this server knows keep strict value checks (types, ranges, NaN, sizes). OpenAI
-  fields it knows but cannot honour (`tools`, `response_format` other than text, `suffix`)
-  are accepted only at their neutral value.
+  fields it knows but cannot honour (`suffix`) are accepted only at their neutral value.
+- Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`):
+  structured.py; tool calling (`tools`, `tool_choice`): tools.py.
 - `use_beam_search` (vLLM's extension): beam width = max(n, best_of); the `n` best beams
   are returned. Without beam search, `best_of` must equal `n` when given.
 - Defaults: max_tokens 16 for /v1/completions (OpenAI's), all the remaining context for
@@ -29,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway import structured
 from services.gateway.prompt import PromptBuilder
 from services.gateway.validation import ApiError, Fields, bad, kind, or_default, text
 from shared.messages import GenerationRequest, SamplingParams, StreamHeader
@@ -56,7 +58,7 @@ _SAMPLING = frozenset({
     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "priority",
     "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
     "user", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "prompt_logprobs"})
+    "return_tokens_as_token_ids", "prompt_logprobs"}) | structured.FIELDS
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                            "response_format", "tools", "tool_choice", "parallel_tool_calls",
@@ -96,7 +98,6 @@ class RequestParser:
         self.model(f)
         f.neutral("tools", [])
         f.neutral("tool_choice", "none")
-        f.neutral("response_format", {"type": "text"})
         f.neutral("parallel_tool_calls", True, False)
         want = f.bool("logprobs", False)
         top = f.int("top_logprobs", None, 0, self.cfg.max_logprobs)
@@ -170,6 +171,10 @@ class RequestParser:
             continuous = so.bool("continuous_usage_stats", False) and include_usage
         f.str("user", None)
         top_k = f.int("top_k", 0, -1, _INT32[1])
+        constraint = structured.constraint(f.body)
+        if constraint is not None and beam:
+            raise bad("use_beam_search cannot follow an output constraint (response_format, "
+                      "structured_outputs, guided_*, tools): drop one", "use_beam_search")
         return dict(
             n=n, beam_width=max(n, best_of or 0) if beam else 0,
             length_penalty=f.float("length_penalty", 1.0, -10.0, 10.0),
@@ -190,6 +195,7 @@ class RequestParser:
                                self.prompts.token_ids(f.raw("allowed_token_ids"),
                                                       "allowed_token_ids")),
             bad_words_ids=self._bad_words(f.raw("bad_words")),
+            constraint=constraint,
             # gateway-side, not SamplingParams:
             _stream=stream, _include_usage=include_usage, _continuous=continuous,
             _stop=self._stop(f.raw("stop")),
