@@ -105,6 +105,7 @@ class StreamHeader:
     hide_output: bool = False        # max_tokens 0: the one token run is not shown or counted
     prompt_logprobs: int | None = None  # vLLM's choices[i].prompt_logprobs (top-k)
     tokens_as_ids: bool = False      # logprob tokens written "token_id:<id>" (vLLM)
+    tool_calls: bool = False         # chat with tools: <tool_call> blocks become tool_calls
 
 
 # ---------------------------------------------------------------- outputs (scheduler → gateway)

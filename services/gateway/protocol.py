@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway import structured
+from services.gateway import structured, tools
 from services.gateway.prompt import PromptBuilder
 from services.gateway.validation import ApiError, Fields, bad, kind, or_default, text
 from shared.messages import GenerationRequest, SamplingParams, StreamHeader
@@ -60,9 +60,8 @@ _SAMPLING = frozenset({
     "user", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "return_tokens_as_token_ids", "prompt_logprobs"}) | structured.FIELDS
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "add_special_tokens"}
-CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                           "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                           "add_generation_prompt", "continue_final_message",
+CHAT_FIELDS = _SAMPLING | tools.FIELDS | {"messages", "logprobs", "top_logprobs",
+                                          "max_completion_tokens", "add_generation_prompt", "continue_final_message",
                            "chat_template_kwargs"}
 
 
@@ -96,14 +95,22 @@ class RequestParser:
     def chat(self, body: Any, request_id: str | None = None, resumable: bool = False) -> Parsed:
         f = Fields(body, CHAT_FIELDS)
         self.model(f)
-        f.neutral("tools", [])
-        f.neutral("tool_choice", "none")
-        f.neutral("parallel_tool_calls", True, False)
+        tool_req = tools.parse(f.body)
         want = f.bool("logprobs", False)
         top = f.int("top_logprobs", None, 0, self.cfg.max_logprobs)
         if top and not want:
             raise bad("top_logprobs needs logprobs=true", "top_logprobs")
         s = self._sampling(f)
+        call_grammar = tools.constraint(tool_req) if tool_req is not None else None
+        if call_grammar is not None:
+            if s["constraint"] is not None:
+                raise bad("a required or named tool_choice already constrains the output: "
+                          "drop response_format / structured_outputs", "tool_choice")
+            if s["beam_width"]:
+                raise bad("use_beam_search cannot follow a required or named tool_choice",
+                          "use_beam_search")
+            structured.check(call_grammar, "tools")
+            s["constraint"] = call_grammar
         # OpenAI's newer name wins over the older one; both must fit the context
         max_tokens = [("max_completion_tokens", f.int("max_completion_tokens", None, 1)),
                       ("max_tokens", f.int("max_tokens", None, 1))]
@@ -117,9 +124,11 @@ class RequestParser:
             raise bad(f"chat_template_kwargs must be an object, got {kind(kwargs)}",
                       "chat_template_kwargs")
         prompt = self.prompts.chat(f.raw("messages"), generation_prompt and not continue_final,
-                                   continue_final=continue_final, template_kwargs=kwargs)
+                                   continue_final=continue_final, template_kwargs=kwargs,
+                                   tools=tool_req)
         return self._build("chat", "chatcmpl", f, s, [prompt], max_tokens, None,
-                           (top or 0) if want else None, "messages", request_id, resumable)
+                           (top or 0) if want else None, "messages", request_id, resumable,
+                           tool_calls=tool_req is not None)
 
     def tokenize(self, body: Any) -> dict:
         """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the template."""
@@ -285,7 +294,7 @@ class RequestParser:
     def _build(self, kind: str, id_prefix: str, f: Fields, s: dict, prompts: list[list[int]],
                asked: list[tuple[str, int | None]], default_max: int | None,
                logprobs: int | None, prompt_param: str, request_id: str | None,
-               resumable: bool, echo: bool = False) -> Parsed:
+               resumable: bool, echo: bool = False, tool_calls: bool = False) -> Parsed:
         extras = {k: s.pop(k) for k in list(s) if k.startswith("_")}
         if s["prompt_logprobs"] is not None and extras["_stream"]:
             raise bad("prompt_logprobs is not available with stream=true (as in vLLM): ask "
@@ -322,7 +331,7 @@ class RequestParser:
                 skip_special_tokens=extras["_skip_special"], min_tokens=params[i].min_tokens,
                 prompt_index=i, echo=echo, prompt_token_ids=list(prompt) if echo else [],
                 hide_output=hide, prompt_logprobs=shown_prompt_lp,
-                tokens_as_ids=extras["_tokens_as_ids"]))
+                tokens_as_ids=extras["_tokens_as_ids"], tool_calls=tool_calls))
             requests.append(GenerationRequest(rid, prompt, params[i], priority=extras["_priority"],
                                               arrival_time=now))
         return Parsed(response_id, headers, requests, resumable)
