@@ -54,13 +54,14 @@ def _spec(kind_: str, v: Any, param: str) -> OutputConstraint:
     return OutputConstraint(kind_, spec)
 
 
-def _response_format(v: Any) -> OutputConstraint | None:
+def _response_format(v: Any) -> tuple[str, OutputConstraint] | None:
+    """(the parameter that names the constraint, the constraint), or None for text."""
     f = Fields(v, frozenset({"type", "json_schema"}), "response_format.")
     t = f.str("type", None)
     if t == "text":
         return None
     if t == "json_object":
-        return OutputConstraint("json_schema", ANY_OBJECT)
+        return "response_format", OutputConstraint("json_schema", ANY_OBJECT)
     if t != "json_schema":
         raise bad(f"response_format.type must be text, json_object or json_schema, got {t!r}",
                   "response_format.type")
@@ -73,7 +74,8 @@ def _response_format(v: Any) -> OutputConstraint | None:
     if schema is None:
         raise bad("response_format.json_schema.schema is required",
                   "response_format.json_schema.schema")
-    return _spec("json_schema", schema, "response_format.json_schema.schema")
+    param = "response_format.json_schema.schema"
+    return param, _spec("json_schema", schema, param)
 
 
 def constraint(body: dict) -> OutputConstraint | None:
@@ -81,9 +83,9 @@ def constraint(body: dict) -> OutputConstraint | None:
     found: list[tuple[str, OutputConstraint]] = []
     rf = body.get("response_format")
     if rf is not None:
-        c = _response_format(rf)
-        if c is not None:
-            found.append(("response_format", c))
+        named = _response_format(rf)
+        if named is not None:
+            found.append(named)
     so = body.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
