@@ -51,7 +51,10 @@ def validate(constraint: OutputConstraint, tokenizer: llguidance.LLTokenizer | N
     import llguidance
 
     grammar = grammar_text(constraint)
-    problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    try:
+        problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    except Exception as exc:     # whatever the input, a reason and never a traceback
+        problem = str(exc) or type(exc).__name__
     if problem and not problem.startswith("WARNING"):
         raise GrammarError(f"invalid {constraint.kind}: {problem.strip()}")
     return grammar
