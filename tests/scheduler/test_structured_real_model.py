@@ -15,6 +15,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from shared.messages import GenerationRequest, OutputConstraint, SamplingParams
 from shared.model_source import load_tokenizer, resolve_model
+from tests.scheduler.test_real_model import run_to_end
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -44,19 +45,7 @@ def run(runner, requests, num_gpu_blocks: int, mode: str):
                           preemption_mode=mode, growth_reserve=0.0,
                           enable_prefix_caching=False)   # so that the small pool runs short
     sched = Scheduler(cfg, num_gpu_blocks, min(runner.num_cpu_blocks, 16))
-    for r in requests:
-        sched.add_request(r)
-    tokens: dict[tuple[str, int], list[int]] = {}
-    reasons: dict[tuple[str, int], str] = {}
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        result = runner.execute(plan)
-        assert result.error is None, result.error
-        for out in sched.update(plan, result):
-            for d in out.seqs:
-                tokens.setdefault((out.request_id, d.index), []).extend(d.token_ids)
-                if d.finish_reason:
-                    reasons[(out.request_id, d.index)] = d.finish_reason
+    tokens, reasons = run_to_end(sched, runner, requests)
     return tokens, reasons, sched.stats()
 
 
