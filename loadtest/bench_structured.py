@@ -11,6 +11,10 @@ tokens per request. Reported per batch size:
                    the bitmask in schedule(), advancing the matcher in update())
   exec ms/step     the executor's step time, both runs (the mask is applied in the sampler)
 
+--sampler-only times the executor's part alone: the Sampler on random [B, 49152] fp32 logits
+at temperature 1.0, with every row masked (a random half of the vocabulary allowed) and
+without, best of 20 alternating calls each.
+
 Each pair runs --repeat times, alternating, and the best run of each kind is kept (a
 shared machine's noise only ever slows a run down).
 
@@ -72,14 +76,50 @@ def run(runner: ModelRunner, prompt: list[int], batch: int, tokens: int,
             "exec_ms_per_step": 1e3 * exec_s / max(steps, 1)}
 
 
+def sampler_cost(batches: list[int], vocab: int = 49152, calls: int = 20) -> list[dict]:
+    import torch
+
+    from services.executor.sampler import Sampler, SampleRow, TokenMask
+
+    sampler = Sampler(0)
+    rows_out = []
+    for b in batches:
+        logits = torch.randn(b, vocab)
+        rows = [SampleRow(SamplingParams(temperature=1.0), [1, 2, 3], 3) for _ in range(b)]
+        words = -(-vocab // 32)
+        bits = torch.randint(-2**31, 2**31 - 1, (b, words), dtype=torch.int32)
+        mask = TokenMask(list(range(b)), words, bits.numpy().tobytes())
+        best = {"free": float("inf"), "masked": float("inf")}
+        for _ in range(calls):
+            for kind, m in (("free", None), ("masked", mask)):
+                t = time.perf_counter()
+                sampler(logits, rows, m)
+                best[kind] = min(best[kind], time.perf_counter() - t)
+        rows_out.append({"batch": b, "free_ms": 1e3 * best["free"],
+                         "masked_ms": 1e3 * best["masked"],
+                         "ratio": best["masked"] / best["free"]})
+    return rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="executor CPU threads (0: all)")
+    ap.add_argument("--sampler-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.sampler_only:
+        rows = sampler_cost([int(x) for x in args.batches.split(",")])
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"{'batch':>5} {'sampler ms free':>15} {'sampler ms masked':>17} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['batch']:>5} {r['free_ms']:>15.2f} {r['masked_ms']:>17.2f} "
+                  f"{r['ratio']:>6.2f}")
+        return
     tok = load_tokenizer(resolve_model(None))
     prompt = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Write notes about Paris as JSON."}], tokenize=False,

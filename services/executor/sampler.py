@@ -54,18 +54,40 @@ class TokenMask:
     words: int
     bits: bytes
 
-    def allowed(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """Bool [len(rows), vocab]: unpacked on the device in one op. Tokens past the mask's
-        width (logits padded beyond the tokenizer's vocabulary) are never allowed."""
-        packed = torch.frombuffer(bytearray(self.bits), dtype=torch.int32)
-        packed = packed.view(len(self.rows), self.words).to(device)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        bits = ((packed[:, :, None] >> shifts) & 1).view(len(self.rows), 32 * self.words)
-        if bits.shape[1] >= vocab:
-            return bits[:, :vocab].bool()
-        out = torch.zeros((len(self.rows), vocab), dtype=torch.bool, device=device)
-        out[:, :bits.shape[1]] = bits.bool()
-        return out
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` [R, V] whose masked rows have -inf where the grammar bans.
+
+        The packed bytes go to the device as they are and are unpacked there by one table
+        lookup (byte -> its 8 "banned" flags), 8x less to copy than a bool mask; little-endian
+        words make byte i hold tokens 8i..8i+7, bit k token 8i+k. Tokens past the mask's
+        width (logits padded beyond the tokenizer's vocabulary) are banned."""
+        n, vocab = len(self.rows), logits.shape[1]
+        dev = logits.device
+        nbytes = -(-vocab // 8)
+        packed = torch.frombuffer(bytearray(self.bits), dtype=torch.uint8).view(n, 4 * self.words)
+        if packed.shape[1] < nbytes:
+            packed = torch.nn.functional.pad(packed, (0, nbytes - packed.shape[1]))
+        packed = packed[:, :nbytes].to(dev, non_blocking=True)
+        banned = _banned_bits(dev)[packed.long()].view(n, 8 * nbytes)[:, :vocab]
+        if self.rows == list(range(logits.shape[0])):
+            return torch.where(banned, float("-inf"), logits)
+        x = logits.clone()
+        at = torch.tensor(self.rows, device=dev)
+        x[at] = torch.where(banned, float("-inf"), x[at])
+        return x
+
+
+_BANNED_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _banned_bits(device: torch.device) -> torch.Tensor:
+    """Bool [256, 8]: entry [v, k] is True when bit k of byte v is 0 (token banned)."""
+    table = _BANNED_BITS.get(device)
+    if table is None:
+        v = torch.arange(256, dtype=torch.int32)[:, None]
+        table = _BANNED_BITS[device] = (((v >> torch.arange(8, dtype=torch.int32)) & 1) == 0
+                                        ).to(device)
+    return table
 
 
 @dataclass(slots=True)
@@ -150,13 +172,10 @@ class Sampler:
                or r.params.frequency_penalty != 0.0]
         if not (mask or allowed or bias_at[0] or banned[0] or pen):
             return logits
-        x = logits.clone()
+        # The grammar mask is one batched op over the constrained rows; it leaves allowed
+        # logits as they are (greedy picks the unconstrained token whenever it is allowed).
+        x = mask.apply(logits) if mask else logits.clone()
         dev = x.device
-        if mask:
-            # One batched masked_fill over the constrained rows (a no-op on allowed logits:
-            # greedy picks the same token as unconstrained whenever the grammar allows it).
-            at = torch.tensor(mask.rows, device=dev)
-            x[at] = x[at].masked_fill(~mask.allowed(x.shape[1], dev), float("-inf"))
         if allowed:
             keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool)
             for j, i in enumerate(allowed):
