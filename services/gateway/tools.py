@@ -210,24 +210,25 @@ class CallParser:
                 continue
             start = self.pending.find(OPEN)
             if start >= 0:
-                content.append(self.pending[:start])
+                content.append(self._outside(self.pending[:start]))
                 self.pending = self.pending[start + len(OPEN):]
                 self.inside = True
                 continue
             keep = _partial_open(self.pending)
-            content.append(self.pending[:len(self.pending) - keep])
+            content.append(self._outside(self.pending[:len(self.pending) - keep]))
             self.pending = self.pending[len(self.pending) - keep:]
             break
-        text_out = "".join(content)
-        if self.num_calls and not text_out.strip():
-            text_out = ""          # whitespace between and after calls is not content
-        return text_out, calls
+        return "".join(content), calls
+
+    def _outside(self, text: str) -> str:
+        """Whitespace between and after calls is not content."""
+        return "" if self.num_calls and not text.strip() else text
 
     def finish(self) -> str:
         """Content still held back when the output ends (an unclosed block is content)."""
         rest = (OPEN if self.inside else "") + self.pending
         self.pending, self.inside = "", False
-        return "" if self.num_calls and not rest.strip() else rest
+        return self._outside(rest)
 
 
 def _partial_open(s: str) -> int:
