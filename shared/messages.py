@@ -23,6 +23,18 @@ from shared.wire import message
 
 
 @message
+class OutputConstraint:
+    """A grammar every output sequence must follow (structured outputs, tool calls).
+
+    The gateway checks it compiles before queueing; the scheduler keeps one matcher per
+    sequence and ships each step's allowed tokens as a bitmask (StepPlan.token_bitmask)."""
+
+    kind: str                        # "json_schema" | "regex" | "choice" | "grammar" (Lark/GBNF)
+    spec: str                        # the schema as JSON text, the regex, a JSON list of
+                                     # choices, or the grammar text
+
+
+@message
 class SamplingParams:
     """Per-request sampling parameters, validated by the gateway before enqueueing."""
 
@@ -47,6 +59,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None   # every other token is banned (-inf)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed
+    constraint: OutputConstraint | None = None   # grammar the output follows (the scheduler
+                                                 # masks the logits through StepPlan)
 
 
 @message
@@ -91,6 +105,7 @@ class StreamHeader:
     hide_output: bool = False        # max_tokens 0: the one token run is not shown or counted
     prompt_logprobs: int | None = None  # vLLM's choices[i].prompt_logprobs (top-k)
     tokens_as_ids: bool = False      # logprob tokens written "token_id:<id>" (vLLM)
+    tool_calls: bool = False         # chat with tools: <tool_call> blocks become tool_calls
 
 
 # ---------------------------------------------------------------- outputs (scheduler → gateway)
@@ -187,6 +202,13 @@ class StepPlan:
     swap_in: list[list[int]] = field(default_factory=list)    # [[cpu_block, gpu_block], ...]
     copy: list[list[int]] = field(default_factory=list)       # [[src_gpu, dst_gpu], ...]
     finished_seq_ids: list[int] = field(default_factory=list)  # drop state (finished/preempted)
+    # Grammar-constrained sampling rows: the plan rows (all < num_sampling_rows, ascending)
+    # and, for each, the allowed tokens of its next sample as a bitmask: little-endian
+    # int32 words, bit b of word w allows token 32 * w + b; every row has
+    # `bitmask_words` words, concatenated in row order. Unconstrained rows carry nothing.
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask_words: int = 0
+    token_bitmask: bytes = b""
 
 
 # ---------------------------------------------------------------- step result (executor → scheduler)

@@ -2,8 +2,8 @@
 import msgpack
 import pytest
 
-from shared.messages import (AbortRequest, GenerationRequest, NewSeq, RequestOutput,
-                             SamplingParams, SeqDelta, StepPlan, StepResult, StreamHeader,
+from shared.messages import (AbortRequest, GenerationRequest, NewSeq, OutputConstraint,
+                             RequestOutput, SamplingParams, SeqDelta, StepPlan, StepResult, StreamHeader,
                              TokenLogprob)
 from shared.wire import WIRE_VERSION, WireError, decode, encode
 
@@ -15,6 +15,8 @@ def _examples():
     constrained = SamplingParams(logit_bias={5: -100.0, 70000: 2.5}, allowed_token_ids=[1, 5],
                                  bad_words_ids=[[9], [3, 4]])
     yield GenerationRequest("req-3", [1], constrained)
+    schema = SamplingParams(constraint=OutputConstraint("json_schema", '{"type": "object"}'))
+    yield GenerationRequest("req-4", [1], schema)
     yield StreamHeader("completion", "cmpl-1-2", "m", 1700000000, 2, 3, stream=True,
                        include_usage=True, continuous_usage=True, resumable=False, logprobs=1,
                        stop=["END"], prompt_index=2, echo=True, prompt_token_ids=[1, 2, 3],
@@ -30,6 +32,11 @@ def _examples():
                    append_token_ids=[[42], []], block_keep=[1, -1], block_append=[[8], []],
                    num_sampling_rows=1, swap_out=[[3, 0]], swap_in=[[1, 5]], copy=[[4, 6]],
                    finished_seq_ids=[9])
+    # Two constrained rows of a 3-word vocabulary: packed bits travel as one bytes field.
+    yield StepPlan(8, seq_ids=[2, 1, 3], num_computed_tokens=[5, 6, 7], num_tokens=[1, 1, 1],
+                   append_token_ids=[[1], [2], [3]], block_keep=[-1, -1, -1],
+                   block_append=[[], [], []], num_sampling_rows=3, bitmask_rows=[0, 2],
+                   bitmask_words=3, token_bitmask=bytes(range(24)))
     yield StepResult(7, [42], [-0.5], [[[42, -0.5], [3, -1.0]]],
                      [[], [TokenLogprob(2, -3.0)]], forward_ms=3.5)
     yield StepResult(8, [], error="out of memory")

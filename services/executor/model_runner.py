@@ -28,7 +28,7 @@ from services.executor.cuda_graphs import DecodeGraphs, GraphCaptureError
 from services.executor.kv_cache import GIB, KVCache, block_bytes, blocks_in, gpu_kv_budget_bytes
 from services.executor.model_loader import ensure_hf_folder, load_model, read_args
 from services.executor.parallel import ProcessGroup, Shard
-from services.executor.sampler import Sampler, SampleRow
+from services.executor.sampler import Sampler, SampleRow, TokenMask
 from shared.messages import NewSeq, SamplingParams, StepPlan, StepResult, TokenLogprob
 from shared.model_source import resolve_model
 
@@ -155,6 +155,9 @@ class ModelRunner:
             raise PlanError("the plan's row columns differ in length")
         if len(set(plan.seq_ids)) != len(plan.seq_ids):
             raise PlanError("a seq is scheduled twice in one step")
+        if (len(plan.token_bitmask) != 4 * plan.bitmask_words * len(plan.bitmask_rows)
+                or any(not 0 <= r < plan.num_sampling_rows for r in plan.bitmask_rows)):
+            raise PlanError("the plan's token bitmask does not fit its constrained rows")
         states = [self._apply_diff(*row) for row in zip(plan.seq_ids, *columns)]
         self.kv.swap_out(plan.swap_out)
         self.kv.swap_in(plan.swap_in)
@@ -253,8 +256,11 @@ class ModelRunner:
                 ) -> StepResult:
         if not states:
             return StepResult(plan.step_id)
+        mask = None
+        if plan.bitmask_rows:
+            mask = TokenMask(plan.bitmask_rows, plan.bitmask_words, plan.token_bitmask)
         res = self.sampler(logits, [SampleRow(st.sampling, st.token_ids, st.prompt_len,
-                                              st.sample_index) for st in states])
+                                              st.sample_index) for st in states], mask)
         if self.keep_logits:
             self.last_logits = {sid: logits[i].cpu()
                                 for i, sid in enumerate(plan.seq_ids[:len(states)])}

@@ -4,6 +4,7 @@ Per row, in this order (vLLM semantics):
 
     raw logits ──log_softmax──▶ reported logprob, top candidates
         │
+        ├─ grammar bitmask (the scheduler's, constrained rows only): disallowed tokens banned
         ├─ allowed_token_ids: every other token banned
         ├─ logit_bias added; bad words' last tokens banned where the output ends in the rest
         ├─ stop tokens banned while fewer than min_tokens outputs exist
@@ -45,6 +46,51 @@ class SampleRow:
 
 
 @dataclass(slots=True)
+class TokenMask:
+    """The plan's grammar bitmasks (shared/messages.py, StepPlan.token_bitmask): for sampling
+    row rows[j], bit b of int32 word w of mask j allows token 32 * w + b."""
+
+    rows: list[int]
+    words: int
+    bits: bytes
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` [R, V] whose masked rows have -inf where the grammar bans.
+
+        The packed bytes go to the device as they are and are unpacked there by one table
+        lookup (byte -> its 8 "banned" flags), 8x less to copy than a bool mask; little-endian
+        words make byte i hold tokens 8i..8i+7, bit k token 8i+k. Tokens past the mask's
+        width (logits padded beyond the tokenizer's vocabulary) are banned."""
+        n, vocab = len(self.rows), logits.shape[1]
+        dev = logits.device
+        nbytes = -(-vocab // 8)
+        packed = torch.frombuffer(bytearray(self.bits), dtype=torch.uint8).view(n, 4 * self.words)
+        if packed.shape[1] < nbytes:
+            packed = torch.nn.functional.pad(packed, (0, nbytes - packed.shape[1]))
+        packed = packed[:, :nbytes].to(dev, non_blocking=True)
+        banned = _banned_bits(dev)[packed.long()].view(n, 8 * nbytes)[:, :vocab]
+        if self.rows == list(range(logits.shape[0])):
+            return torch.where(banned, float("-inf"), logits)
+        x = logits.clone()
+        at = torch.tensor(self.rows, device=dev)
+        x[at] = torch.where(banned, float("-inf"), x[at])
+        return x
+
+
+_BANNED_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _banned_bits(device: torch.device) -> torch.Tensor:
+    """Bool [256, 8]: entry [v, k] is True when bit k of byte v is 0 (token banned)."""
+    table = _BANNED_BITS.get(device)
+    if table is None:
+        v = torch.arange(256, dtype=torch.int32)[:, None]
+        table = _BANNED_BITS[device] = (((v >> torch.arange(8, dtype=torch.int32)) & 1) == 0
+                                        ).to(device)
+    return table
+
+
+@dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]          # raw log_softmax of the sampled token
@@ -68,9 +114,11 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-        """Sample one token per row of fp32 logits [R, V] (CPU or GPU)."""
-        x = self._constrained_logits(logits, rows)
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 mask: TokenMask | None = None) -> SampleOutput:
+        """Sample one token per row of fp32 logits [R, V] (CPU or GPU); `mask` bans what
+        the grammar of each constrained row does not allow (the logprobs stay raw)."""
+        x = self._constrained_logits(logits, rows, mask)
         if (x is logits and logits.device.type == "cpu" and logits.dtype == torch.float32
                 and cpu_kernels.kernels() is not None
                 and all(r.params.temperature < _GREEDY_EPS and not r.params.logprobs
@@ -100,7 +148,8 @@ class Sampler:
 
     # ------------------------------------------------------------------ logits processing
 
-    def _constrained_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _constrained_logits(self, logits: torch.Tensor, rows: list[SampleRow],
+                            mask: TokenMask | None = None) -> torch.Tensor:
         """Logits with token masks, biases, min_tokens bans and penalties applied (a copy
         only if anything applies). Every kind is one batched tensor operation."""
         allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
@@ -121,9 +170,11 @@ class Sampler:
         pen = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
                or r.params.frequency_penalty != 0.0]
-        if not (allowed or bias_at[0] or banned[0] or pen):
+        if not (mask or allowed or bias_at[0] or banned[0] or pen):
             return logits
-        x = logits.clone()
+        # The grammar mask is one batched op over the constrained rows; it leaves allowed
+        # logits as they are (greedy picks the unconstrained token whenever it is allowed).
+        x = mask.apply(logits) if mask else logits.clone()
         dev = x.device
         if allowed:
             keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool)

@@ -105,6 +105,16 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
                          "items": {"type": "string", "minLength": 1}},
                         {"type": "array", "minItems": 1, "maxItems": cfg.max_prompts,
                          "items": tokens}]}
+    sampling = dict(sampling, response_format=_opt({
+        "type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"},
+                "strict": {"type": "boolean"}}}}}, "the output follows the JSON schema"),
+        structured_outputs=_opt({"type": "object", "properties": {
+            "json": {"type": "object"}, "regex": {"type": "string"},
+            "choice": {"type": "array", "items": {"type": "string"}},
+            "grammar": {"type": "string"}}}, "vLLM: one of json, regex, choice, grammar"))
     completion = {"type": "object", "required": ["prompt"],
                   "properties": dict(sampling, prompt=prompt,
                                      max_tokens=_opt({"type": "integer", "minimum": 0,
@@ -131,11 +141,21 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
                                             "vLLM: the last (assistant) message is continued"),
                 chat_template_kwargs=_opt({"type": "object"},
                                           "vLLM: extra variables for the chat template"),
-                tools=_opt({"type": "array", "maxItems": 0}, "not supported"),
-                tool_choice=_opt({"type": "string", "enum": ["none"]}),
-                response_format=_opt({"type": "object", "required": ["type"],
-                                      "properties": {"type": {"type": "string",
-                                                              "enum": ["text"]}}}),
+                tools=_opt({"type": "array", "items": {
+                    "type": "object", "required": ["type", "function"], "properties": {
+                        "type": {"type": "string", "enum": ["function"]},
+                        "function": {"type": "object", "required": ["name"], "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "description": {"type": "string"},
+                            "parameters": {"type": "object"}}}}}},
+                    "function tools; calls come back as tool_calls (Hermes-style prompt)"),
+                tool_choice=_opt({"oneOf": [
+                    {"type": "string", "enum": ["none", "auto", "required"]},
+                    {"type": "object", "required": ["type", "function"], "properties": {
+                        "type": {"type": "string", "enum": ["function"]},
+                        "function": {"type": "object", "required": ["name"],
+                                     "properties": {"name": {"type": "string"}}}}}]},
+                    "required and a named function are grammar-constrained"),
                 parallel_tool_calls=_opt({"type": "boolean"}))}
     flags = {"add_special_tokens": _opt({"type": "boolean"}),
              "return_token_strs": _opt({"type": "boolean"}), "model": _opt({"type": "string"})}

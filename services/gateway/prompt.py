@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.gateway import tools as tool_calls
 from services.gateway.validation import Fields, bad, kind, text
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # apply_chat_template's own arguments: chat_template_kwargs may not set them
 _TEMPLATE_OWN = frozenset({"conversation", "tools", "documents", "chat_template",
                            "add_generation_prompt", "continue_final_message", "tokenize",
@@ -64,27 +65,44 @@ class PromptBuilder:
         return ids
 
     def chat(self, v: Any, add_generation_prompt: bool, add_special: bool = False, *,
-             continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
+             continue_final: bool = False, template_kwargs: dict | None = None,
+             tools: tool_calls.Tools | None = None) -> list[int]:
         """Token ids of `messages` rendered by the chat template; 400 on a bad message.
         `continue_final`: the last (assistant) message is left open for the model to go on
-        (vLLM's continue_final_message); `template_kwargs` reach the template as variables."""
+        (vLLM's continue_final_message); `template_kwargs` reach the template as variables.
+        `tools` and the messages' tool calls go to a template that renders tools, else
+        into the messages themselves (tools.fallback_messages)."""
         if not isinstance(v, list) or not v:
             raise bad("messages must be a non-empty array of {role, content} objects", "messages")
         msgs = []
         for i, m in enumerate(v):
             where = f"messages[{i}]."
-            mf = Fields(m, frozenset({"role", "content", "name"}), where)
+            mf = Fields(m, frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
+                        where)
             role = mf.str("role", None)
             if role not in ROLES:
                 raise bad(f"{where}role must be one of {', '.join(ROLES)}, got {role!r}",
                           where + "role")
             mf.str("name", None)
-            msgs.append({"role": "system" if role == "developer" else role,
-                         "content": self._content(mf.raw("content"), where + "content")})
+            msg = {"role": "system" if role == "developer" else role,
+                   "content": self._content(mf.raw("content"), where + "content")}
+            if role == "assistant" and mf.raw("tool_calls") is not None:
+                msg["tool_calls"] = tool_calls.history_calls(mf.raw("tool_calls"), where)
+            if role == "tool":
+                msg["tool_call_id"] = mf.str("tool_call_id", None) or ""
+            msgs.append(msg)
         if continue_final and msgs[-1]["role"] != "assistant":
             raise bad("continue_final_message needs an assistant message last",
                       "continue_final_message")
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_OWN}
+        if "tools" in (getattr(self.tokenizer, "chat_template", None) or ""):
+            if tools is not None:
+                extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+            msgs = [dict(m, tool_calls=[{"type": "function", "function": c}
+                                        for c in m["tool_calls"]]) if "tool_calls" in m else m
+                    for m in msgs]
+        else:
+            msgs = tool_calls.fallback_messages(msgs, tools)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 msgs, tokenize=False, add_generation_prompt=add_generation_prompt,

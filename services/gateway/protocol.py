@@ -8,8 +8,9 @@ Choices, as vLLM's OpenAI server makes them unless said otherwise (documented in
   (`store`, `metadata`, `service_tier`, `reasoning_effort`, `prompt_cache_key`,
   `functions: null`, ...), are accepted and ignored; each ignored name is logged once.
   Fields this server knows keep strict value checks (types, ranges, NaN, sizes). OpenAI
-  fields it knows but cannot honour (`tools`, `response_format` other than text, `suffix`)
-  are accepted only at their neutral value.
+  fields it knows but cannot honour (`suffix`) are accepted only at their neutral value.
+- Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`):
+  structured.py; tool calling (`tools`, `tool_choice`): tools.py.
 - `use_beam_search` (vLLM's extension): beam width = max(n, best_of); the `n` best beams
   are returned. Without beam search, `best_of` must equal `n` when given.
 - Defaults: max_tokens 16 for /v1/completions (OpenAI's), all the remaining context for
@@ -29,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway import structured, tools
 from services.gateway.prompt import PromptBuilder
 from services.gateway.validation import ApiError, Fields, bad, kind, or_default, text
 from shared.messages import GenerationRequest, SamplingParams, StreamHeader
@@ -56,11 +58,10 @@ _SAMPLING = frozenset({
     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "priority",
     "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
     "user", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "prompt_logprobs"})
+    "return_tokens_as_token_ids", "prompt_logprobs"}) | structured.FIELDS
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "add_special_tokens"}
-CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                           "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                           "add_generation_prompt", "continue_final_message",
+CHAT_FIELDS = _SAMPLING | tools.FIELDS | {"messages", "logprobs", "top_logprobs",
+                                          "max_completion_tokens", "add_generation_prompt", "continue_final_message",
                            "chat_template_kwargs"}
 
 
@@ -94,15 +95,22 @@ class RequestParser:
     def chat(self, body: Any, request_id: str | None = None, resumable: bool = False) -> Parsed:
         f = Fields(body, CHAT_FIELDS)
         self.model(f)
-        f.neutral("tools", [])
-        f.neutral("tool_choice", "none")
-        f.neutral("response_format", {"type": "text"})
-        f.neutral("parallel_tool_calls", True, False)
+        tool_req = tools.parse(f.body)
         want = f.bool("logprobs", False)
         top = f.int("top_logprobs", None, 0, self.cfg.max_logprobs)
         if top and not want:
             raise bad("top_logprobs needs logprobs=true", "top_logprobs")
         s = self._sampling(f)
+        call_grammar = tools.constraint(tool_req) if tool_req is not None else None
+        if call_grammar is not None:
+            if s["constraint"] is not None:
+                raise bad("a required or named tool_choice already constrains the output: "
+                          "drop response_format / structured_outputs", "tool_choice")
+            if s["beam_width"]:
+                raise bad("use_beam_search cannot follow a required or named tool_choice",
+                          "use_beam_search")
+            structured.check(call_grammar, "tools")
+            s["constraint"] = call_grammar
         # OpenAI's newer name wins over the older one; both must fit the context
         max_tokens = [("max_completion_tokens", f.int("max_completion_tokens", None, 1)),
                       ("max_tokens", f.int("max_tokens", None, 1))]
@@ -116,9 +124,11 @@ class RequestParser:
             raise bad(f"chat_template_kwargs must be an object, got {kind(kwargs)}",
                       "chat_template_kwargs")
         prompt = self.prompts.chat(f.raw("messages"), generation_prompt and not continue_final,
-                                   continue_final=continue_final, template_kwargs=kwargs)
+                                   continue_final=continue_final, template_kwargs=kwargs,
+                                   tools=tool_req)
         return self._build("chat", "chatcmpl", f, s, [prompt], max_tokens, None,
-                           (top or 0) if want else None, "messages", request_id, resumable)
+                           (top or 0) if want else None, "messages", request_id, resumable,
+                           tool_calls=tool_req is not None)
 
     def tokenize(self, body: Any) -> dict:
         """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the template."""
@@ -170,6 +180,10 @@ class RequestParser:
             continuous = so.bool("continuous_usage_stats", False) and include_usage
         f.str("user", None)
         top_k = f.int("top_k", 0, -1, _INT32[1])
+        constraint = structured.constraint(f.body)
+        if constraint is not None and beam:
+            raise bad("use_beam_search cannot follow an output constraint (response_format, "
+                      "structured_outputs, guided_*, tools): drop one", "use_beam_search")
         return dict(
             n=n, beam_width=max(n, best_of or 0) if beam else 0,
             length_penalty=f.float("length_penalty", 1.0, -10.0, 10.0),
@@ -190,6 +204,7 @@ class RequestParser:
                                self.prompts.token_ids(f.raw("allowed_token_ids"),
                                                       "allowed_token_ids")),
             bad_words_ids=self._bad_words(f.raw("bad_words")),
+            constraint=constraint,
             # gateway-side, not SamplingParams:
             _stream=stream, _include_usage=include_usage, _continuous=continuous,
             _stop=self._stop(f.raw("stop")),
@@ -279,7 +294,7 @@ class RequestParser:
     def _build(self, kind: str, id_prefix: str, f: Fields, s: dict, prompts: list[list[int]],
                asked: list[tuple[str, int | None]], default_max: int | None,
                logprobs: int | None, prompt_param: str, request_id: str | None,
-               resumable: bool, echo: bool = False) -> Parsed:
+               resumable: bool, echo: bool = False, tool_calls: bool = False) -> Parsed:
         extras = {k: s.pop(k) for k in list(s) if k.startswith("_")}
         if s["prompt_logprobs"] is not None and extras["_stream"]:
             raise bad("prompt_logprobs is not available with stream=true (as in vLLM): ask "
@@ -316,7 +331,7 @@ class RequestParser:
                 skip_special_tokens=extras["_skip_special"], min_tokens=params[i].min_tokens,
                 prompt_index=i, echo=echo, prompt_token_ids=list(prompt) if echo else [],
                 hide_output=hide, prompt_logprobs=shown_prompt_lp,
-                tokens_as_ids=extras["_tokens_as_ids"]))
+                tokens_as_ids=extras["_tokens_as_ids"], tool_calls=tool_calls))
             requests.append(GenerationRequest(rid, prompt, params[i], priority=extras["_priority"],
                                               arrival_time=now))
         return Parsed(response_id, headers, requests, resumable)

@@ -4,6 +4,8 @@
     /v1/chat/completions  object "chat.completion"       choices[i].message.{role, content}
                           object "chat.completion.chunk" choices[i].delta.{role?, content}
 
+With tools, chat text goes through tools.CallParser: tool-call blocks become
+`tool_calls` (finish_reason "tool_calls"), the rest stays content.
 Choices carry vLLM's `stop_reason` (the stop string or stop token id that ended them).
 JSON cannot hold -inf: a logprob of -inf is sent as -9999.0, as vLLM does.
 """
@@ -13,6 +15,7 @@ import json
 
 from services.gateway.detokenizer import TokenVocab
 from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
+from services.gateway.tools import CallParser, call_id
 from shared.messages import StreamHeader, TokenLogprob
 
 _FLOOR = -9999.0
@@ -35,6 +38,8 @@ class Shapes:
         self.base = {"id": response_id,
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": spec.created, "model": spec.model}
+        self.calls = spec.tool_calls and self.chat
+        self.parsers: dict[int, CallParser] = {}     # choice index -> its stream's parser
 
     def token(self, t: int) -> str:
         """A token as logprobs name it: its text, or vLLM's "token_id:<id>" when asked."""
@@ -101,11 +106,22 @@ class Shapes:
         choices = []
         for d in deltas:
             c = {"index": d.index}
-            if self.chat:
+            reason = d.finish_reason
+            if self.calls:
+                parser = self.parsers.setdefault(d.index, CallParser())
+                content, calls = parser.feed(d.text)
+                if reason is not None:
+                    content += parser.finish()
+                c["delta"] = {"content": content} if content else {}
+                if calls:
+                    c["delta"]["tool_calls"] = self._tool_calls(
+                        d.index, calls, parser.num_calls - len(calls), streamed=True)
+                reason = _calls_reason(reason, parser.num_calls)
+            elif self.chat:
                 c["delta"] = {"content": d.text} if d.text else {}
             else:
                 c["text"] = d.text
-            c.update(logprobs=self._logprobs(d), finish_reason=d.finish_reason,
+            c.update(logprobs=self._logprobs(d), finish_reason=reason,
                      stop_reason=d.stop_reason)
             choices.append(c)
         body = dict(self.base, choices=choices)
@@ -121,6 +137,17 @@ class Shapes:
         if self.spec.include_usage:
             body["usage"] = usage
         return body
+
+    def _tool_calls(self, choice: int, calls: list[dict], first: int = 0,
+                    streamed: bool = False) -> list[dict]:
+        """OpenAI's tool_calls entries (streamed ones carry their index among the choice's
+        calls, as the SDK's accumulator expects)."""
+        out = []
+        for k, call in enumerate(calls, first):
+            entry = {"id": call_id(self.base["id"], choice, k), "type": "function",
+                     "function": call}
+            out.append({"index": k, **entry} if streamed else entry)
+        return out
 
     def usage_chunk(self, procs: list[OutputProcessor]) -> dict:
         return dict(self.base, choices=[], usage=usage_of(procs))
@@ -139,11 +166,21 @@ class Shapes:
                                      c.finish_reason, c.stop_reason,
                                      next((d.echo_ids for d in deltas if d.echo_ids), []))
                 choice = {"index": merged.index}
-                if self.chat:
+                reason = c.finish_reason
+                if self.calls:
+                    parser = CallParser()
+                    content, calls = parser.feed(merged.text)
+                    content += parser.finish()
+                    choice["message"] = {"role": "assistant", "content": content}
+                    if calls:
+                        choice["message"]["content"] = content or None
+                        choice["message"]["tool_calls"] = self._tool_calls(merged.index, calls)
+                    reason = _calls_reason(reason, len(calls))
+                elif self.chat:
                     choice["message"] = {"role": "assistant", "content": merged.text}
                 else:
                     choice["text"] = merged.text
-                choice.update(logprobs=self._logprobs(merged), finish_reason=c.finish_reason,
+                choice.update(logprobs=self._logprobs(merged), finish_reason=reason,
                               stop_reason=c.stop_reason)
                 if prompt_lps is not None and not self.chat:
                     choice["prompt_logprobs"] = prompt_lps
@@ -153,3 +190,8 @@ class Shapes:
         if self.chat and procs[0].spec.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs(procs[0])
         return body
+
+
+def _calls_reason(reason: str | None, num_calls: int) -> str | None:
+    """A choice that ended normally after making calls ends "tool_calls", as OpenAI says."""
+    return "tool_calls" if reason == "stop" and num_calls else reason

@@ -20,6 +20,8 @@ class SchedulerConfig:
     contiguous: bool = False             # baseline: reserve max_model_len per seq, no sharing
     watermark: float = 0.01              # fraction of GPU blocks kept free when admitting new work
     growth_reserve: float = 0.5          # + blocks kept free per running seq when admitting
+    model: str | None = None             # the served model (--model): its tokenizer drives
+                                         # grammar-constrained sampling (None: the default)
     # NOTE: both leave room for the running sequences to grow before a freshly admitted prompt
     # forces a preemption. growth_reserve=0 admits as eagerly as vLLM v1 (largest batch, most
     # preemptions); measured on ShareGPT-like / Alpaca-like loads, 0.5 cuts preemptions by

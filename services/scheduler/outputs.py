@@ -45,7 +45,15 @@ def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float
         return SeqDelta(seq.sample_index, [], stop_lp, "stop", token, cum)
     tokens.append(token)
     reason = None
-    if len(tokens) >= group.max_len:
+    matcher = seq.matcher
+    if matcher is not None:
+        # The mask allowed only tokens the grammar accepts; once it is complete (nothing but
+        # EOS may follow) the seq ends "stop" without a step to sample the EOS.
+        if not matcher.consume_token(token):
+            reason = seq.finish_reason = "error"
+        elif matcher.is_stopped():
+            reason = seq.finish_reason = "stop"
+    if reason is None and len(tokens) >= group.max_len:
         reason = seq.finish_reason = "length"
     if seq.logprobs is None:
         return SeqDelta(seq.sample_index, [token], _NO_LOGPROBS, reason, None, cum)

@@ -30,6 +30,7 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.grammar import GrammarError, Grammars
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.stats import SchedulerStats, scheduler_stats
@@ -59,6 +60,7 @@ class Scheduler:
             self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                               config.enable_prefix_caching)
         self.watermark_blocks = int(config.watermark * num_gpu_blocks)
+        self.grammars = Grammars(config.model)   # compiled on first use, cached by spec
         self.groups: dict[str, SequenceGroup] = {}        # every unfinished request
         self.waiting: list[tuple[tuple, SequenceGroup]] = []   # heap; aborted entries skipped
         self.num_waiting = 0
@@ -95,13 +97,25 @@ class Scheduler:
         if req.request_id in self.groups:
             return
         check_admission(req, cfg, self.block_manager)
+        matcher = None
+        if sp.constraint is not None:
+            if sp.beam_width > 0:
+                raise AdmissionError("beam search cannot follow an output constraint "
+                                     "(response_format, structured_outputs, tools): drop one")
+            try:
+                matcher = self.grammars.matcher(sp.constraint)
+            except GrammarError as exc:
+                raise AdmissionError(str(exc)) from None
         order = self._next_order
         self._next_order += 1
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
-        for _ in range(1 if group.is_beam else sp.n):
-            group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
+        for i in range(1 if group.is_beam else sp.n):
+            seq = self.new_seq(group, list(req.prompt_token_ids), L)
+            if matcher is not None:      # each sample follows the grammar on its own
+                seq.matcher = matcher if i == 0 else matcher.deep_copy()
+            group.seqs.append(seq)
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group

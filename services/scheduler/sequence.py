@@ -41,7 +41,7 @@ class Sequence:
                  "block_table", "num_computed_tokens", "num_scheduled_tokens",
                  "block_hashes", "num_cached_blocks", "cache_chain_broken",
                  "cumulative_logprob", "logprobs",
-                 "finish_reason", "stop_token_id",
+                 "finish_reason", "stop_token_id", "matcher",
                  "num_tokens_sent", "num_blocks_sent", "num_blocks_synced")
 
     def __init__(self, seq_id: int, group: SequenceGroup | None, token_ids: list[int],
@@ -64,6 +64,9 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
+        # llguidance matcher of a constrained request (services/scheduler/grammar.py): the
+        # grammar state after this seq's output tokens; None when unconstrained.
+        self.matcher = None
         # Mirror of the executors' state, kept by the plan builder (services/scheduler/plan.py):
         self.num_tokens_sent = -1          # -1: the executors do not know this seq
         self.num_blocks_sent = 0           # length of their block table

@@ -79,7 +79,7 @@ CHAT_CASES = [
     ("image part", dict(C, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
     ("top_logprobs without logprobs", dict(C, top_logprobs=3), 400, "top_logprobs"),
-    ("tools", dict(C, tools=[{"type": "function"}]), 400, "tools"),
+    ("a function tool without its function", dict(C, tools=[{"type": "function"}]), 400, "tools[0].function"),
     ("max_completion_tokens too big", dict(C, max_completion_tokens=4000), 400,
      "max_completion_tokens"),
     ("max_tokens too big beside max_completion_tokens", dict(C, max_completion_tokens=4,

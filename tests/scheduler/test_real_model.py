@@ -37,9 +37,16 @@ def generate(runner, num_gpu_blocks: int, mode: str,
                           preemption_mode=mode, growth_reserve=0.0,
                           enable_prefix_caching=prefix_caching)
     sched = Scheduler(cfg, num_gpu_blocks, min(runner.num_cpu_blocks, 16))
-    for r in requests():
+    tokens, _ = run_to_end(sched, runner, requests())
+    return tokens, sched
+
+
+def run_to_end(sched: Scheduler, runner, reqs: list[GenerationRequest]) -> tuple[dict, dict]:
+    """Every request's tokens and finish reason, keyed (request id, sequence index)."""
+    for r in reqs:
         sched.add_request(r)
     tokens: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], str] = {}
     while sched.has_unfinished():
         plan = sched.schedule()
         result = runner.execute(plan)
@@ -47,7 +54,9 @@ def generate(runner, num_gpu_blocks: int, mode: str,
         for out in sched.update(plan, result):
             for d in out.seqs:
                 tokens.setdefault((out.request_id, d.index), []).extend(d.token_ids)
-    return tokens, sched
+                if d.finish_reason:
+                    reasons[(out.request_id, d.index)] = d.finish_reason
+    return tokens, reasons
 
 
 def test_preempted_requests_reproduce_their_tokens_on_the_real_model(runner):

@@ -1,0 +1,158 @@
+"""What grammar-constrained sampling costs, against unconstrained requests in the same run.
+
+The scheduler core drives the real executor (SmolLM2-135M, in process: no wires, so the
+figures are the masking itself). At each batch size, B requests with the same chat prompt
+run twice: unconstrained, and with a json_schema response format whose grammar cannot
+finish early (an array of at least 64 strings), so both produce exactly --output-tokens
+tokens per request. Reported per batch size:
+
+  tok/s            output tokens / wall time, both runs, and the ratio
+  sched µs/seq     the scheduler's extra time per constrained sequence per step (building
+                   the bitmask in schedule(), advancing the matcher in update())
+  exec ms/step     the executor's step time, both runs (the mask is applied in the sampler)
+
+--sampler-only times the executor's part alone: the Sampler on random [B, 49152] fp32 logits
+at temperature 1.0, with every row masked (a random half of the vocabulary allowed) and
+without, best of 20 alternating calls each.
+
+Each pair runs --repeat times, alternating, and the best run of each kind is kept (a
+shared machine's noise only ever slows a run down).
+
+    python loadtest/bench_structured.py [--batches 1,16,64] [--output-tokens 32]
+                                        [--repeat 2] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.executor.config import ExecutorConfig  # noqa: E402
+from services.executor.model_runner import ModelRunner  # noqa: E402
+from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.scheduler import Scheduler  # noqa: E402
+from shared.messages import GenerationRequest, OutputConstraint, SamplingParams  # noqa: E402
+from shared.model_source import load_tokenizer, resolve_model  # noqa: E402
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["notes"],
+          "properties": {"notes": {"type": "array", "minItems": 64,
+                                   "items": {"type": "string", "maxLength": 40}}}}
+
+
+def run(runner: ModelRunner, prompt: list[int], batch: int, tokens: int,
+        constraint: OutputConstraint | None) -> dict:
+    cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=runner.max_model_len,
+                          max_num_seqs=max(batch, 1))
+    sched = Scheduler(cfg, runner.num_gpu_blocks, runner.num_cpu_blocks)
+    if constraint is not None:
+        sched.grammars.matcher(constraint)     # compiled once, as the cache would hold it
+    for i in range(batch):
+        sched.add_request(GenerationRequest(f"r{i}", prompt, SamplingParams(
+            temperature=1.0, seed=i, max_tokens=tokens, constraint=constraint)))
+    sched_s = exec_s = 0.0
+    steps = generated = 0
+    start = time.perf_counter()
+    while sched.has_unfinished():
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        result = runner.execute(plan)
+        t2 = time.perf_counter()
+        outs = sched.update(plan, result)
+        t3 = time.perf_counter()
+        assert result.error is None, result.error
+        generated += sum(len(d.token_ids) for o in outs for d in o.seqs)
+        if plan.num_sampling_rows == batch:          # decode steps: every sequence samples
+            sched_s += (t1 - t0) + (t3 - t2)
+            exec_s += t2 - t1
+            steps += 1
+    wall = time.perf_counter() - start
+    return {"tok_s": generated / wall, "generated": generated, "decode_steps": steps,
+            "sched_us_per_step": 1e6 * sched_s / max(steps, 1),
+            "exec_ms_per_step": 1e3 * exec_s / max(steps, 1)}
+
+
+def sampler_cost(batches: list[int], vocab: int = 49152, calls: int = 20) -> list[dict]:
+    import torch
+
+    from services.executor.sampler import Sampler, SampleRow, TokenMask
+
+    sampler = Sampler(0)
+    rows_out = []
+    for b in batches:
+        logits = torch.randn(b, vocab)
+        rows = [SampleRow(SamplingParams(temperature=1.0), [1, 2, 3], 3) for _ in range(b)]
+        words = -(-vocab // 32)
+        bits = torch.randint(-2**31, 2**31 - 1, (b, words), dtype=torch.int32)
+        mask = TokenMask(list(range(b)), words, bits.numpy().tobytes())
+        best = {"free": float("inf"), "masked": float("inf")}
+        for _ in range(calls):
+            for kind, m in (("free", None), ("masked", mask)):
+                t = time.perf_counter()
+                sampler(logits, rows, m)
+                best[kind] = min(best[kind], time.perf_counter() - t)
+        rows_out.append({"batch": b, "free_ms": 1e3 * best["free"],
+                         "masked_ms": 1e3 * best["masked"],
+                         "ratio": best["masked"] / best["free"]})
+    return rows_out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="executor CPU threads (0: all)")
+    ap.add_argument("--sampler-only", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.sampler_only:
+        rows = sampler_cost([int(x) for x in args.batches.split(",")])
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"{'batch':>5} {'sampler ms free':>15} {'sampler ms masked':>17} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['batch']:>5} {r['free_ms']:>15.2f} {r['masked_ms']:>17.2f} "
+                  f"{r['ratio']:>6.2f}")
+        return
+    tok = load_tokenizer(resolve_model(None))
+    prompt = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "Write notes about Paris as JSON."}], tokenize=False,
+        add_generation_prompt=True), add_special_tokens=False)
+    runner = ModelRunner(ExecutorConfig(device="cpu", dtype="float32", max_model_len=512,
+                                        num_gpu_blocks=2048, swap_space_gib=0.01,
+                                        num_threads=args.threads))
+    schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
+    run(runner, prompt, 1, 4, schema)                # warm-up: kernels, tokenizer, grammar
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        frees, conss = [], []
+        for _ in range(args.repeat):
+            frees.append(run(runner, prompt, b, args.output_tokens, None))
+            conss.append(run(runner, prompt, b, args.output_tokens, schema))
+        free = max(frees, key=lambda r: r["tok_s"])
+        cons = max(conss, key=lambda r: r["tok_s"])
+        assert cons["generated"] == free["generated"] == b * args.output_tokens
+        rows.append({"batch": b, "free": free, "constrained": cons,
+                     "ratio": cons["tok_s"] / free["tok_s"],
+                     "mask_us_per_seq": (cons["sched_us_per_step"]
+                                         - free["sched_us_per_step"]) / b})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'batch':>5} {'free tok/s':>10} {'json tok/s':>10} {'ratio':>6} "
+          f"{'sched µs/seq/step':>18} {'exec ms/step free':>17} {'exec ms/step json':>17}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['free']['tok_s']:>10.1f} {r['constrained']['tok_s']:>10.1f} "
+              f"{r['ratio']:>6.2f} {r['mask_us_per_seq']:>18.1f} "
+              f"{r['free']['exec_ms_per_step']:>17.1f} "
+              f"{r['constrained']['exec_ms_per_step']:>17.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Grammar-constrained sampling with the scheduler driving the real executor (SmolLM2 on the
+CPU): the grammar state lives in the scheduler, so a constrained request must come out the
+same whether it was swapped out, recomputed or never preempted, and a grammar that allows the
+model's own greedy tokens must not change them."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from services.executor.config import ExecutorConfig
+from services.executor.model_runner import ModelRunner
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import AdmissionError, Scheduler
+from shared.messages import GenerationRequest, OutputConstraint, SamplingParams
+from shared.model_source import load_tokenizer, resolve_model
+from tests.scheduler.test_real_model import run_to_end
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pets": {"type": "array", "maxItems": 2,
+                                  "items": {"enum": ["cat", "dog", "fish"]}}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+EOS = 2       # SmolLM2-Instruct's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(ExecutorConfig(device="cpu", dtype="float32", max_model_len=256,
+                                      num_gpu_blocks=256, swap_space_gib=0.02, num_threads=1))
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    tok = load_tokenizer(resolve_model(None))
+    text = tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}],
+                                   tokenize=False, add_generation_prompt=True)
+    return tok, tok.encode(text, add_special_tokens=False)
+
+
+def run(runner, requests, num_gpu_blocks: int, mode: str):
+    cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=256,
+                          preemption_mode=mode, growth_reserve=0.0,
+                          enable_prefix_caching=False)   # so that the small pool runs short
+    sched = Scheduler(cfg, num_gpu_blocks, min(runner.num_cpu_blocks, 16))
+    tokens, reasons = run_to_end(sched, runner, requests)
+    return tokens, reasons, sched.stats()
+
+
+def test_constrained_requests_survive_swap_and_recompute_preemption(runner, prompt):
+    tok, ids = prompt
+    schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
+    reqs = [GenerationRequest("greedy", ids, SamplingParams(
+                temperature=0.0, max_tokens=60, stop_token_ids=[EOS], constraint=schema)),
+            GenerationRequest("sampled", ids, SamplingParams(
+                temperature=1.0, seed=5, n=2, max_tokens=60, stop_token_ids=[EOS],
+                constraint=schema), arrival_time=1.0),
+            GenerationRequest("free", ids, SamplingParams(temperature=0.0, max_tokens=60),
+                              arrival_time=2.0)]
+    want, reasons, _ = run(runner, reqs, 256, "recompute")
+    for key in (("greedy", 0), ("sampled", 0), ("sampled", 1)):
+        assert reasons[key] == "stop", key
+        jsonschema.validate(json.loads(tok.decode(want[key])), SCHEMA)
+    for mode in ("swap", "recompute"):
+        got, _, st = run(runner, reqs, 12, mode)
+        assert st.num_preemptions >= 1, mode
+        assert (st.swapped_out_blocks_total > 0) == (mode == "swap")
+        assert got == want, mode
+
+
+def test_a_grammar_allowing_the_greedy_tokens_leaves_them_unchanged(runner, prompt):
+    tok, ids = prompt
+    free, _, _ = run(runner, [GenerationRequest("a", ids, SamplingParams(
+        temperature=0.0, max_tokens=24, stop_token_ids=[EOS]))], 256, "recompute")
+    text = tok.decode(free[("a", 0)])
+    # the exact text, and a permissive pattern: neither may perturb an allowed argmax
+    for spec in (_escape(text), r"[\s\S]*"):
+        pattern = OutputConstraint("regex", spec)
+        got, _, _ = run(runner, [GenerationRequest("a", ids, SamplingParams(
+            temperature=0.0, max_tokens=24, stop_token_ids=[EOS], constraint=pattern))],
+            256, "recompute")
+        assert got == free
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in text)
+
+
+def test_a_grammar_that_does_not_compile_is_refused_at_admission(runner):
+    cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=256)
+    sched = Scheduler(cfg, 64, 0)
+    with pytest.raises(AdmissionError, match="regex"):
+        sched.add_request(GenerationRequest("bad", [1, 2], SamplingParams(
+            constraint=OutputConstraint("regex", "[0-9"))))
+    with pytest.raises(AdmissionError, match="beam"):
+        sched.add_request(GenerationRequest("beam", [1, 2], SamplingParams(
+            beam_width=2, constraint=OutputConstraint("regex", "a+"))))
