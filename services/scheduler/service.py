@@ -32,6 +32,7 @@ import zmq
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.outputs import result_error
 from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
@@ -57,12 +58,17 @@ class SchedulerServiceConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0                 # 0: no HTTP endpoint (the gateway serves /metrics)
     executor_timeout_s: float = 2.0       # a silent executor is declared dead after this
+    step_timeout_s: float = 120.0         # a step still running after this has failed
     startup_timeout_s: float = 600.0      # first model load (and GGUF conversion) can be slow
     read_batch: int = 64                  # most requests taken from the queue per round trip
     # Requests are taken from the shared queue only while this replica holds fewer than
     # max_num_seqs + read_headroom unfinished ones: the rest wait in Redis, where any
     # replica (or this one's successor) can take them.
     read_headroom: int = 4
+    # A request that was in the step in flight when the executor died or a step failed is
+    # recomputed this many times; one more loss ends it with an error (a request that makes
+    # every step fail, or a sticky device error, must not be retried forever).
+    max_step_retries: int = 2
 
 
 class ExecutorLost(RuntimeError):
@@ -100,15 +106,31 @@ class SchedulerService:
         self._last_beat = 0.0
         self._last_metrics = 0.0
         self._next_reclaim = time.monotonic() + 5.0
+        self.plan: StepPlan | None = None        # the plan in flight
+        self.losses: dict[str, int] = {}         # request id -> steps of it lost or failed
+        # request id -> (tokens already published per sample index, the indices that
+        # ended): what a predecessor streamed of a request this scheduler takes over
+        self.resume: dict[str, tuple[dict[int, list[int]], set[int]]] = {}
 
     # ------------------------------------------------------------ set-up
-    def connect(self) -> None:
-        """Attach to the executor (waiting for it), then build a fresh engine core."""
-        info = self.executor.wait_ready(self.config.startup_timeout_s)
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Attach to the executor (waiting up to `timeout_s` for it), then build a fresh
+        engine core, or start the current one over on the executor's fresh pool."""
+        info = self.executor.wait_ready(timeout_s or self.config.startup_timeout_s)
         self.executor.reset()          # forget sequences a previous scheduler left behind
-        core = replace(self.config.core, block_size=info.block_size,
-                       max_model_len=min(self.config.core.max_model_len, info.max_model_len))
-        self.sched = Scheduler(core, int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+        self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+        if self.sched is None:
+            core = replace(self.config.core, block_size=info.block_size,
+                           max_model_len=min(self.config.core.max_model_len,
+                                         info.max_model_len))
+            self.sched = Scheduler(core, *self.pool)
+        elif (info.block_size != self.sched.block_size
+              or info.max_model_len < self.sched.config.max_model_len):
+            raise RuntimeError(f"the executor came back with another shape (block size "
+                               f"{info.block_size}, max_model_len {info.max_model_len}); "
+                               f"restart the scheduler")
+        else:
+            self.sched.recompute_all(*self.pool)
         if self.metrics is None:
             self.metrics = SchedulerMetrics(info.model, lambda: self.sched.stats())
             if self.config.metrics_port:
@@ -145,7 +167,7 @@ class SchedulerService:
             try:
                 self._iterate()
             except ExecutorLost as exc:
-                self._recover(str(exc))
+                self._recover(str(exc), executor_alive=False)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -170,57 +192,75 @@ class SchedulerService:
             self._apply_inbox()
             return
         self._note_scheduled(plan)
+        self.plan = plan
         data = encode(plan)
         for sock in self.plan_socks:
             sock.send(data, copy=False)
         self._redis_round(block_ms=0)
         result = self._recv_result(plan)
-        self._emit(self.sched.update(plan, result))    # a failed step fails its requests
-        if result.error is not None and not self.executor.is_alive(timeout=1.0):
-            raise ExecutorLost(result.error)
+        error = result_error(plan, result)
+        if error is not None:
+            # The KV state of what the step ran is unknown: start over by recompute, and
+            # end only the requests of this step that have used up their retries.
+            self._recover(error, executor_alive=self.executor.is_alive(timeout=1.0))
+            return
+        self.plan = None
+        self._emit(self.sched.update(plan, result))
         self._apply_inbox()
 
     def stop(self) -> None:
         self._stop = True
 
     # ------------------------------------------------------------ failures
-    def _recover(self, reason: str) -> None:
-        """The executor died: end what it was running with an error, keep the rest queued.
-
-        Requests that already streamed tokens cannot be resumed invisibly (their KV cache
-        died with the executor), so they end with finish_reason "error". Requests that had
-        not produced a token are re-admitted into a fresh core once an executor is back.
+    def _recover(self, reason: str, executor_alive: bool) -> None:
+        """The executor died, or a step failed: keep every request, and once an executor
+        answers again (the same one after a failed step, after a Reset) run them all again
+        by recompute from their prompt and the tokens they have already streamed, so their
+        streams simply continue. The requests of the step in flight count one loss each; a
+        request lost more than max_step_retries times ends with an error.
         """
-        log.error("executor lost (%s): failing started requests, waiting for it to return", reason)
-        self.degraded = f"executor lost: {reason}"
+        log.error("step failed (%s); executor %s: recomputing every request", reason,
+                  "alive" if executor_alive else "lost, waiting for it to return")
+        self.degraded = None if executor_alive else f"executor lost: {reason}"
         self._beat(force=True)                                       # /health: degraded
-        requeue = []
-        started = []
-        for group in self.requests.values():
-            if group.first_output_sent:
-                started.append(group)
-            else:
-                requeue.append((group.entry_id, group.request))
-        self.requests = {}
-        for group in started:
-            self.pending_outputs.append(_ended(
-                group.request, "error", f"the executor failed while running this request "
-                f"({reason}); retry it", 503))
-            self.to_ack.append(group.entry_id)
+        self._fail_culprits(reason)
         self._flush_outputs()
+        if executor_alive:
+            try:
+                self.executor.reset()
+                self.sched.recompute_all(*self.pool)
+                return
+            except Exception as exc:  # it died meanwhile: wait for it as below
+                log.warning("executor reset failed: %s", exc)
+                self.degraded = f"executor lost: {reason}"
         while not self._stop:
             try:
-                self.connect()
+                self.connect(timeout_s=2.0)
                 break
             except Exception as exc:  # timeouts and gRPC errors while it restarts
                 log.warning("executor not back yet: %s", exc)
                 self._beat()
-                time.sleep(0.5)
-        self.inbox = requeue + self.inbox
-        self._apply_inbox()
         self.degraded = None
         self._beat(force=True)
-        log.info("executor is back; %d queued requests re-admitted", len(requeue))
+        log.info("executor is back; %d requests continue by recompute", len(self.requests))
+
+    def _fail_culprits(self, reason: str) -> None:
+        """Count a loss against each request of the plan in flight; end those over the
+        limit with an error (their final output says why)."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        rows = set(plan.seq_ids)
+        for group in list(self.requests.values()):
+            if not any(seq.seq_id in rows for seq in group.seqs):
+                continue
+            lost = self.losses[group.request_id] = self.losses.get(group.request_id, 0) + 1
+            if lost > self.config.max_step_retries:
+                out = self.sched.abort_request(group.request_id, "error")
+                out.error = (f"the model step failed {lost} times while running this "
+                             f"request: {reason}")
+                out.error_code = 500
+                self._emit([out])
 
     def _flush_outputs(self) -> None:
         if self.pending_outputs or self.to_ack:
@@ -229,33 +269,35 @@ class SchedulerService:
     def _reclaim_pending(self, include_self: bool = False) -> None:
         """Take over requests read by this name before a restart, or by a dead scheduler.
 
-        A request that had already streamed output ends with an explicit error (its KV
-        state is gone); one that never started is simply run here.
+        A request that had already streamed output continues from there: it is admitted
+        with the tokens its stream holds and recomputes them (see _apply_inbox), so its
+        client sees one unbroken stream. One whose final output was published is only
+        acknowledged.
         """
         dead = self.link.dead_schedulers(time.time())
         for name in ([self.config.name] if include_self else []) + dead:
             inbound = self.link.take_pending(name)
             if not inbound.requests and not inbound.malformed:
                 continue
-            self.to_ack += inbound.malformed
+            self._take(inbound)
             started = 0
             for eid, req in inbound.requests:
-                if self.link.has_output(req.request_id):
-                    started += 1
-                    self.pending_outputs.append(_ended(
-                        req, "error", "the scheduler running this request stopped; retry it",
-                        503))
+                tokens, ended, finished = self.link.published(req.request_id)
+                if finished:
+                    self.inbox.remove((eid, req))
                     self.to_ack.append(eid)
-                else:
-                    self.inbox.append((eid, req))
-            log.warning("reclaimed %d pending requests of %s (%d had started and were failed)",
-                        len(inbound.requests), name, started)
+                elif tokens or ended:
+                    started += 1
+                    self.resume[req.request_id] = (tokens, ended)
+            log.warning("reclaimed %d pending requests of %s (%d continue where their "
+                        "stream stopped)", len(inbound.requests), name, started)
         self._flush_outputs()
 
     def _recv_result(self, plan: StepPlan) -> StepResult:
         """The result answering `plan`. A result of another step is stale and dropped, except
         a failure with no step id (the executor could not read the plan in flight)."""
         deadline_check = time.monotonic() + self.config.executor_timeout_s
+        deadline = time.monotonic() + self.config.step_timeout_s
         while True:
             if self.result_sock.poll(100):
                 result = decode(self.result_sock.recv(), StepResult)
@@ -266,6 +308,9 @@ class SchedulerService:
                 log.warning("discarding result of step %d (waiting for %d)%s", result.step_id,
                             plan.step_id, f": {result.error}" if result.error else "")
                 continue
+            if time.monotonic() > deadline:
+                raise ExecutorLost(f"step {plan.step_id} ran past the step deadline "
+                                   f"({self.config.step_timeout_s:g} s)")
             if time.monotonic() > deadline_check:
                 # A long forward is fine as long as the executor still answers health checks.
                 if not self.executor.is_alive(timeout=1.0):
@@ -308,6 +353,9 @@ class SchedulerService:
         self.abort_inbox += inbound.aborts
         self.inbox += inbound.requests
         self.to_ack += inbound.malformed
+        for request_id, why in inbound.refused:
+            self.pending_outputs.append(RequestOutput(request_id, [], finished=True,
+                                                      error=why, error_code=400))
 
     def _read_count(self) -> int:
         held = len(self.requests) + len(self.inbox)
@@ -357,6 +405,12 @@ class SchedulerService:
                 self.to_ack.append(eid)
                 continue
             group = self.sched.groups[req.request_id]
+            if req.request_id in self.resume:
+                self._continue(group, *self.resume.pop(req.request_id))
+                if not group.seqs:                # every choice had ended: only the end
+                    self._emit([self.sched.abort_request(req.request_id, "stop")])
+                    self.to_ack.append(eid)
+                    continue
             group.entry_id = eid
             group.arrival_time = req.arrival_time or now
             self.requests[req.request_id] = group
@@ -364,6 +418,21 @@ class SchedulerService:
         if len(self.recent_aborts) > 10_000:
             cutoff = now - 600
             self.recent_aborts = {k: v for k, v in self.recent_aborts.items() if v > cutoff}
+
+    @staticmethod
+    def _continue(group: SequenceGroup, tokens: dict[int, list[int]], ended: set[int]) -> None:
+        """A request taken over from a scheduler that died: its seqs start from the tokens
+        their stream already holds (recomputed with the prompt, as after a preemption), and
+        the choices that ended are not run again. Beams stream nothing before they end, so
+        a beam search starts over."""
+        if group.is_beam:
+            return
+        for seq in list(group.seqs):
+            if seq.sample_index in ended:
+                group.seqs.remove(seq)
+            else:
+                seq.token_ids.extend(tokens.get(seq.sample_index, ()))
+        group.first_output_sent = True
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Queue outputs for the next round; observe the request timeline; an ended request's
@@ -377,6 +446,7 @@ class SchedulerService:
                 continue
             if out.finished:
                 self.to_ack.append(group.entry_id)
+                self.losses.pop(out.request_id, None)
                 if out.error is None:
                     self.metrics.e2e.observe(max(0.0, now - group.arrival_time))
             new = sum(len(s.token_ids) for s in out.seqs)
