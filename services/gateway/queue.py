@@ -149,19 +149,30 @@ class RequestQueue:
         return _outputs(after, entries)
 
     # ------------------------------------------------------------ fleet
-    async def scheduler_status(self) -> tuple[dict[str, float], dict[str, str]]:
-        """(name -> last heartbeat, name -> why it cannot serve) of every scheduler."""
+    async def scheduler_status(self) -> tuple[dict[str, float], dict[str, str], float]:
+        """(name -> last heartbeat, name -> why it cannot serve, now) of every scheduler;
+        heartbeats and now are in the Redis server's clock."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.schedulers)
         pipe.hgetall(self.keys.degraded)
-        beats, degraded = await self.call(pipe.execute())
+        pipe.time()
+        beats, degraded, (secs, usecs) = await self.call(pipe.execute())
         out = {}
         for name, value in beats.items():
             try:
                 out[name.decode()] = float(value)
             except ValueError:
                 continue
-        return out, {k.decode(): v.decode(errors="replace") for k, v in degraded.items()}
+        return (out, {k.decode(): v.decode(errors="replace") for k, v in degraded.items()},
+                secs + usecs / 1e6)
+
+    async def outputs_exist(self, request_ids: list[str]) -> bool:
+        """Whether every request's output stream still exists (Redis restarted without its
+        data: the request is lost, and nothing will ever be written there)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(self.keys.output(rid))
+        return all(await self.call(pipe.execute()))
 
     async def scheduler_metrics(self) -> list[tuple[str, str]]:
         """(scheduler name, Prometheus text) for every scheduler that published recently."""

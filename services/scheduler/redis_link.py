@@ -12,6 +12,7 @@ never read by a position that depends on what was asked. Key names: shared/redis
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -67,6 +68,20 @@ class RedisLink:
         self.keys = keys
         self.name = name                 # this scheduler's consumer name
         self.abort_cursor = "0"          # every scheduler reads every abort
+        # Redis server time minus this host's (s), measured by every round: heartbeats are
+        # written and compared in the server's clock, so hosts' clocks need not agree.
+        self.clock_offset = 0.0
+
+    def now(self) -> float:
+        """The Redis server's clock (unix seconds), as of the last round's measurement."""
+        return time.time() + self.clock_offset
+
+    def sync_clock(self) -> None:
+        self._take_time(self.redis.time(), None)
+
+    def _take_time(self, reply, _inbound) -> None:
+        secs, usecs = reply
+        self.clock_offset = secs + usecs / 1e6 - time.time()
 
     def ensure_group(self) -> None:
         try:
@@ -99,6 +114,7 @@ class RedisLink:
             queue(pipe.xdel, self.keys.requests, *acks)
         if beat is not None:
             self._queue_beat(queue, pipe, beat)
+        queue(pipe.time, handler=self._take_time)
         inbound = Inbound()
         if read:
             queue(pipe.xread, {self.keys.aborts: self.abort_cursor}, count=1000,

@@ -161,6 +161,7 @@ class SchedulerService:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
         self.link.ensure_group()
+        self.link.sync_clock()
         self._reclaim_pending(include_self=True)
         self._beat(force=True)
         while not self._stop:
@@ -274,7 +275,7 @@ class SchedulerService:
         client sees one unbroken stream. One whose final output was published is only
         acknowledged.
         """
-        dead = self.link.dead_schedulers(time.time())
+        dead = self.link.dead_schedulers(self.link.now())
         for name in ([self.config.name] if include_self else []) + dead:
             inbound = self.link.take_pending(name)
             if not inbound.requests and not inbound.malformed:
@@ -372,7 +373,7 @@ class SchedulerService:
         if not (force or metrics is not None or now - self._last_beat >= 1.0):
             return None
         self._last_beat = now
-        return Heartbeat(now, self.degraded, metrics)
+        return Heartbeat(self.link.now(), self.degraded, metrics)
 
     def _beat(self, force: bool = False) -> None:
         beat = self._heartbeat(force)
