@@ -247,7 +247,7 @@ def _run_service(args) -> int:
                     proc.kill()
     elif args.command == "scheduler":
         from services.scheduler.service import run
-        run(scheduler_config(args))
+        return run(scheduler_config(args))
     elif args.command == "gateway":
         import uvicorn
 

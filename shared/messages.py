@@ -187,6 +187,7 @@ class StepPlan:
     swap_in: list[list[int]] = field(default_factory=list)    # [[cpu_block, gpu_block], ...]
     copy: list[list[int]] = field(default_factory=list)       # [[src_gpu, dst_gpu], ...]
     finished_seq_ids: list[int] = field(default_factory=list)  # drop state (finished/preempted)
+    fence: int = 0          # the sender's fencing token (Reset); an executor refuses others
 
 
 # ---------------------------------------------------------------- step result (executor → scheduler)

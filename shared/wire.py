@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeVar
 
 import msgpack
 
-WIRE_VERSION = 2     # raised whenever a message changes its fields or their meaning
+WIRE_VERSION = 3     # raised whenever a message changes its fields or their meaning
 
 T = TypeVar("T")
 

@@ -185,3 +185,51 @@ def test_redis_down_gives_503_then_recovers(private_redis, cluster):
         assert out.error is None and out.usage_tokens == 6
     finally:
         stop_process(restarted.proc)
+
+
+FAILING_DEVICE = """
+from services.executor import model_runner
+def _execute(self, plan):
+    raise RuntimeError("device error (injected)")
+model_runner.ModelRunner.execute = _execute
+"""
+
+
+def test_an_executor_that_fails_every_step_fails_each_request_within_its_retries(private_redis):
+    c = Cluster(private_redis.url, sched_flags=["--max-num-seqs", "4"])
+    try:
+        c.start_executor(inject=FAILING_DEVICE)
+        c.start_scheduler()
+        c.start_gateway()
+        t0 = time.monotonic()
+        outs, threads = launch(c.base_url, [f"Prompt {i}" for i in range(6)], 8)
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        retries = SchedulerServiceConfig().max_step_retries
+        for o in outs:
+            assert o.error and f"failed {retries + 1} times" in o.error, o.error
+            assert "device error (injected)" in o.error
+        assert time.monotonic() - t0 < 30
+        assert c.get("/health")[0] == 200           # the scheduler itself is fine
+    finally:
+        c.stop_all()
+
+
+def test_a_second_scheduler_on_one_executor_stands_by_and_takes_over(cluster):
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    reference, threads = launch(cluster.base_url, prompts, 24)
+    for t in threads:
+        t.join(timeout=300)
+    cluster.start_scheduler("sched-b")            # same executor: refused, it stands by
+    r = redis.Redis.from_url(cluster.redis_url)
+    assert b"owned by the live scheduler 'sched-a'" in r.hget(cluster.keys.degraded, "sched-b")
+    outs, threads = launch(cluster.base_url, prompts, 24)
+    wait_until("two requests stream", lambda: sum(o.tokens > 0 for o in outs) >= 2, 120)
+    cluster.kill("sched-a")                       # the standby takes the executor over
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert [o.error for o in outs] == [None] * len(prompts)
+    assert [o.text for o in outs] == [ref.text for ref in reference]
+    wait_until("sched-b serves", lambda: r.hget(cluster.keys.degraded, "sched-b") is None, 30)

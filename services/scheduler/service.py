@@ -27,6 +27,7 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 
+import grpc
 import redis
 import zmq
 
@@ -36,7 +37,7 @@ from services.scheduler.outputs import result_error
 from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
-from shared.control import ExecutorClient
+from shared.control import OWNER_LEASE_S, ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
@@ -75,6 +76,10 @@ class ExecutorLost(RuntimeError):
     pass
 
 
+class ExecutorTaken(RuntimeError):
+    """Another scheduler owns the executor (its lease is live): this one stands by."""
+
+
 def _ended(request: GenerationRequest, reason: str, error: str | None = None,
            error_code: int = 0) -> RequestOutput:
     """The final output of a request that ends before (or without) running here."""
@@ -107,6 +112,12 @@ class SchedulerService:
         self._last_metrics = 0.0
         self._next_reclaim = time.monotonic() + 5.0
         self.plan: StepPlan | None = None        # the plan in flight
+        self.fence = 0                           # this owner's token (executor's Reset)
+        self.instance = ""                       # the executor's instance id (Describe)
+        # Monotonic s of the last result or health answer of the executor: a scheduler
+        # that was stopped (SIGSTOP, a long GC) past the executor's owner lease checks it
+        # still owns it before it publishes anything (another may have taken over).
+        self._last_renew = self._last_contact = 0.0
         self.losses: dict[str, int] = {}         # request id -> steps of it lost or failed
         # request id -> (tokens already published per sample index, the indices that
         # ended): what a predecessor streamed of a request this scheduler takes over
@@ -117,7 +128,13 @@ class SchedulerService:
         """Attach to the executor (waiting up to `timeout_s` for it), then build a fresh
         engine core, or start the current one over on the executor's fresh pool."""
         info = self.executor.wait_ready(timeout_s or self.config.startup_timeout_s)
-        self.executor.reset()          # forget sequences a previous scheduler left behind
+        # Take the executor over (its sequences from a previous owner are dropped), unless
+        # another scheduler owns it: then nothing here touches it.
+        reply = self.executor.reset(owner=self.config.name)
+        if not reply.fence:
+            raise ExecutorTaken(f"executor {self.config.executor} is owned by the live "
+                                f"scheduler {reply.holder!r}; standing by")
+        self.fence, self.instance = reply.fence, info.instance_id
         self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
         if self.sched is None:
             core = replace(self.config.core, block_size=info.block_size,
@@ -137,24 +154,39 @@ class SchedulerService:
                 from prometheus_client import start_http_server
                 start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
                                   registry=self.metrics.registry)
-        for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
-            if sock is not None:
-                sock.close()
-        self.plan_socks = []
+        self._close_sockets()
         for ep in info.plan_endpoints:
             s = self.zmq.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
             self.plan_socks.append(s)
-        self.result_sock = self.zmq.socket(zmq.PULL)
+        self.result_sock = self.zmq.socket(zmq.DEALER)
         self.result_sock.setsockopt(zmq.LINGER, 0)
+        self.result_sock.setsockopt(zmq.IDENTITY, owner_identity(self.config.name, self.fence))
         self.result_sock.connect(info.result_endpoint)
         log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
                  info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
 
+    def _close_sockets(self) -> None:
+        """Close the data-plane sockets (they would reconnect to whatever binds there)."""
+        for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
+            if sock is not None:
+                sock.close()
+        self.plan_socks, self.result_sock = [], None
+
     # ------------------------------------------------------------ main loop
-    def serve(self) -> None:
-        self.connect()
+    def serve(self) -> int:
+        """Run until stopped; the exit status (3: another scheduler fenced this one)."""
+        while True:
+            try:
+                self.connect()
+                break
+            except ExecutorTaken as exc:       # a standby: it takes over when the owner dies
+                log.warning("%s", exc)
+                self.degraded = str(exc)
+                self._beat(force=True)
+                time.sleep(1.0)
+        self.degraded = None
         # NOTE: the hot loop allocates many short-lived objects; long-lived start-up state
         # is frozen out of the collector and young collections run less often.
         gc.collect()
@@ -166,9 +198,16 @@ class SchedulerService:
         self._beat(force=True)
         while not self._stop:
             try:
-                self._iterate()
-            except ExecutorLost as exc:
-                self._recover(str(exc), executor_alive=False)
+                try:
+                    self._iterate()
+                except ExecutorLost as exc:
+                    self._recover(str(exc), executor_alive=False)
+            except ExecutorTaken as exc:
+                # Another scheduler owns the executor now: publish nothing more. What this
+                # one held is pending in Redis under its name; the owner takes it over once
+                # this heartbeat is stale, and continues each request from its stream.
+                log.critical("fenced, stopping without publishing: %s", exc)
+                return 3
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -182,6 +221,7 @@ class SchedulerService:
             self._redis_round(block_ms=0)
         except redis.RedisError:
             pass
+        return 0
 
     def _iterate(self) -> None:
         if time.monotonic() > self._next_reclaim:
@@ -189,10 +229,14 @@ class SchedulerService:
             self._reclaim_pending()
         plan = self.sched.schedule()
         if plan is None:
+            # Idle: no plan renews the lease, and a restarted executor goes unnoticed.
+            if time.monotonic() - self._last_renew >= 1.0 and not self._executor_ok():
+                raise ExecutorLost(f"executor {self.config.executor} stopped answering")
             self._redis_round(block_ms=500)
             self._apply_inbox()
             return
         self._note_scheduled(plan)
+        plan.fence = self.fence
         self.plan = plan
         data = encode(plan)
         for sock in self.plan_socks:
@@ -202,8 +246,9 @@ class SchedulerService:
         error = result_error(plan, result)
         if error is not None:
             # The KV state of what the step ran is unknown: start over by recompute, and
-            # end only the requests of this step that have used up their retries.
-            self._recover(error, executor_alive=self.executor.is_alive(timeout=1.0))
+            # end only the requests of this step that have used up their retries. (A plan
+            # refused as fenced: _executor_ok raises when another scheduler owns it.)
+            self._recover(error, executor_alive=self._executor_ok())
             return
         self.plan = None
         self._emit(self.sched.update(plan, result))
@@ -226,19 +271,15 @@ class SchedulerService:
         self._beat(force=True)                                       # /health: degraded
         self._fail_culprits(reason)
         self._flush_outputs()
-        if executor_alive:
-            try:
-                self.executor.reset()
-                self.sched.recompute_all(*self.pool)
-                return
-            except Exception as exc:  # it died meanwhile: wait for it as below
-                log.warning("executor reset failed: %s", exc)
-                self.degraded = f"executor lost: {reason}"
+        self._close_sockets()
         while not self._stop:
             try:
                 self.connect(timeout_s=2.0)
                 break
+            except ExecutorTaken:
+                raise
             except Exception as exc:  # timeouts and gRPC errors while it restarts
+                self.degraded = f"executor lost: {reason}"
                 log.warning("executor not back yet: %s", exc)
                 self._beat()
         self.degraded = None
@@ -302,6 +343,7 @@ class SchedulerService:
         while True:
             if self.result_sock.poll(100):
                 result = decode(self.result_sock.recv(), StepResult)
+                self._last_contact = time.monotonic()
                 if result.step_id == plan.step_id:
                     return result
                 if result.error is not None and result.step_id < 0:
@@ -314,9 +356,24 @@ class SchedulerService:
                                    f"({self.config.step_timeout_s:g} s)")
             if time.monotonic() > deadline_check:
                 # A long forward is fine as long as the executor still answers health checks.
-                if not self.executor.is_alive(timeout=1.0):
+                if not self._executor_ok():
                     raise ExecutorLost(f"executor {self.config.executor} stopped answering")
                 deadline_check = time.monotonic() + self.config.executor_timeout_s
+
+    def _executor_ok(self) -> bool:
+        """Health of the executor, renewing this owner's lease. Raises ExecutorTaken when
+        another scheduler has taken it over (its token is not ours any more)."""
+        try:
+            reply = self.executor.health(owner=self.config.name)
+        except grpc.RpcError:
+            return False
+        if reply.instance_id != self.instance:
+            return False                # another executor there: this one is lost
+        if reply.fence != self.fence:
+            raise ExecutorTaken(f"fenced: the executor's token is {reply.fence}, not "
+                                f"{self.fence}: another scheduler took it over")
+        self._last_renew = self._last_contact = time.monotonic()
+        return reply.ok
 
     def _note_scheduled(self, plan: StepPlan) -> None:
         now = time.time()
@@ -333,6 +390,9 @@ class SchedulerService:
         If Redis is unreachable, nothing is lost: outputs and acks stay queued in memory
         and go out in the first round that succeeds.
         """
+        if (self.pending_outputs and self.instance
+                and time.monotonic() - self._last_contact > OWNER_LEASE_S / 2):
+            self._executor_ok()                   # raises ExecutorTaken when fenced
         outputs = list(self.pending_outputs)
         acks = list(self.to_ack)
         want = self._read_count() if read else 0
@@ -463,8 +523,8 @@ class SchedulerService:
             group.last_token_at = now
 
 
-def run(config: SchedulerServiceConfig) -> None:
+def run(config: SchedulerServiceConfig) -> int:
     service = SchedulerService(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
-    service.serve()
+    return service.serve()
