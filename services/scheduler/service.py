@@ -15,8 +15,10 @@ Redis (XREADGROUP BLOCK): it never busy-spins.
 A request's stream entry is acknowledged only when the request ends, so a crashed
 scheduler's unfinished requests stay pending in the consumer group for another to claim.
 The Redis side is redis_link.py; a request's entry id and timeline live on its
-SequenceGroup. A step that fails fails its own requests (Scheduler.update); only an
-executor that stops answering is "lost", and then every request it ran ends or is re-admitted.
+SequenceGroup. A failed step or a lost executor costs no request its stream: every request
+is recomputed from its prompt and streamed tokens (_recover); a successor scheduler
+continues a dead one's requests from their output streams (_reclaim_pending). See
+docs/reliability.md.
 """
 from __future__ import annotations
 
