@@ -38,7 +38,7 @@ import zmq
 from services.executor.config import ExecutorConfig
 from shared.control import OWNER_LEASE_S, owner_identity, pb, pb_grpc
 from shared.messages import StepPlan, StepResult
-from shared.wire import WireError, decode, encode
+from shared.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -180,11 +180,13 @@ class ExecutorServer:
         c = self.config
         plans = self._zmq.socket(zmq.PULL)
         plans.setsockopt(zmq.LINGER, 0)
+        plans.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         plans.bind(f"tcp://{c.bind_host}:{c.zmq_port + 1 + c.rank}")
         results = None
         if c.rank == 0:
             results = self._zmq.socket(zmq.ROUTER)
             results.setsockopt(zmq.LINGER, 0)
+            results.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             results.setsockopt(zmq.ROUTER_MANDATORY, 1)     # an unknown peer: an error
             # The same owner reconnecting (a new socket after a Reset) replaces its old one.
             results.setsockopt(zmq.ROUTER_HANDOVER, 1)

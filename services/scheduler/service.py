@@ -43,7 +43,7 @@ from shared.control import OWNER_LEASE_S, ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
-from shared.wire import decode, encode
+from shared.wire import MAX_MESSAGE_BYTES, decode, encode
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -164,6 +164,7 @@ class SchedulerService:
             self.plan_socks.append(s)
         self.result_sock = self.zmq.socket(zmq.DEALER)
         self.result_sock.setsockopt(zmq.LINGER, 0)
+        self.result_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.result_sock.setsockopt(zmq.IDENTITY, owner_identity(self.config.name, self.fence))
         self.result_sock.connect(info.result_endpoint)
         log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
