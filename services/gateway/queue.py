@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -58,12 +59,15 @@ class RequestQueue:
         await self.redis.connection_pool.disconnect()
 
     async def call(self, coro):
-        """Await a Redis command; a Redis failure becomes QueueUnavailable."""
+        """Await a Redis command; a Redis failure (down, or out of memory under its
+        maxmemory) becomes QueueUnavailable, a 503."""
         try:
             return await coro
         except REDIS_DOWN as exc:
             raise QueueUnavailable(f"Redis at {self.where} did not answer "
                                    f"({type(exc).__name__}: {str(exc)[:120]})") from None
+        except OutOfMemoryError:
+            raise QueueUnavailable(f"Redis at {self.where} is out of memory") from None
 
     # ------------------------------------------------------------ requests
     async def depth(self) -> int:

@@ -9,7 +9,7 @@ import time
 import httpx
 
 from shared.messages import SeqDelta
-from tests.gateway.conftest import FakeScheduler
+from tests.gateway.conftest import FakeScheduler, RedisProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": True}
@@ -74,3 +74,18 @@ def test_a_request_past_its_deadline_ends_with_504(start_gateway, redis_proc):
     assert r.status_code == 504 and "longer than the server's limit" in r.text
     taken = sched.take()
     assert sched.wait_abort(taken.request.request_id) >= 0    # and it stops running
+
+
+def test_redis_out_of_memory_is_503_not_500(start_gateway):
+    rp = RedisProcess()
+    rp.start()
+    try:
+        gw = start_gateway(redis_url=rp.url)
+        FakeScheduler(rp.url, gw.config.redis_prefix).beat()
+        rp.client().config_set("maxmemory", "1")        # every write now fails with OOM
+        with httpx.Client(base_url=gw.url, timeout=10) as c:
+            r = c.post("/v1/completions", json=dict(BODY, stream=False))
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        assert "out of memory" in r.json()["error"]["message"]
+    finally:
+        rp.stop()
