@@ -180,6 +180,7 @@ class SchedulerService:
     # ------------------------------------------------------------ main loop
     def serve(self) -> int:
         """Run until stopped; the exit status (3: another scheduler fenced this one)."""
+        self.link.sync_clock()
         while True:
             try:
                 self.connect()
@@ -196,7 +197,6 @@ class SchedulerService:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
         self.link.ensure_group()
-        self.link.sync_clock()
         self._reclaim_pending(include_self=True)
         self._beat(force=True)
         while not self._stop:
