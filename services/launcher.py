@@ -247,7 +247,7 @@ def _run_service(args) -> int:
                     proc.kill()
     elif args.command == "scheduler":
         from services.scheduler.service import run
-        run(scheduler_config(args))
+        return run(scheduler_config(args))
     elif args.command == "gateway":
         import uvicorn
 
@@ -362,17 +362,41 @@ def free_port() -> int:
     return free_ports(1)
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM it when the process that started it dies (Linux
+    PR_SET_PDEATHSIG), so that no service outlives a `serve` killed with SIGKILL."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+# Restart policy of `serve`, as compose's `restart: always`: a service that dies is started
+# again after a delay that doubles from the first to the cap, and falls back to the first
+# once the service has run RESTART_STABLE_S without dying.
+RESTART_FIRST_S = 1.0
+RESTART_CAP_S = 30.0
+RESTART_STABLE_S = 60.0
+
+
 class Stack:
-    """Starts Redis (optional), executor, scheduler and gateway as separate processes."""
+    """Starts Redis (optional), executor, scheduler and gateway as separate processes, and
+    (wait) keeps them running: a service that dies is restarted with backoff while the
+    others go on; the stack reports degraded meanwhile (see docs/reliability.md)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.specs: dict[str, tuple[list[str], dict | None]] = {}   # name -> (argv, env)
         self.tmp = tempfile.mkdtemp(prefix="pagedserve-")
 
     def _spawn(self, name: str, argv: list[str], env=None) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)
-        self.procs.append((name, proc))
+        proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        names = [n for n, _ in self.procs]
+        if name in names:
+            self.procs[names.index(name)] = (name, proc)
+        else:
+            self.procs.append((name, proc))
+        self.specs[name] = (argv, env)
         return proc
 
     def _wait(self, name: str, proc: subprocess.Popen, ready, timeout: float) -> None:
@@ -388,8 +412,29 @@ class Stack:
             time.sleep(0.2)
         raise RuntimeError(f"{name} was not healthy after {timeout:.0f} s")
 
+    def _choose_ports(self) -> None:
+        """The executor's ports are private to this stack: free ones unless set by flag or
+        environment. Ports that were set, and the HTTP port, must be free: else one line
+        and nothing started (a second stack on one host must not reach the first one's)."""
+        a = self.args
+        tp = a.tensor_parallel_size
+        wanted = {"--grpc-port": ("grpc_port", tp), "--zmq-port": ("zmq_port", 2 + tp),
+                  "--dist-port": ("dist_port", 1)}
+        for flag, (dest, n) in wanted.items():
+            if not _given(a, flag):
+                setattr(a, dest, free_ports(n))
+        taken = [f"{flag} {getattr(a, dest) + i}" for flag, (dest, n) in wanted.items()
+                 if _given(a, flag) for i in range(n)
+                 if not _port_free(a.bind_host, getattr(a, dest) + i)]
+        if not _port_free(a.host, a.port):
+            taken.insert(0, f"--port {a.port}")
+        if taken:
+            raise RuntimeError(f"port(s) in use: {', '.join(taken)} (another pagedserve? "
+                               f"pick other ports)")
+
     def start(self) -> str:
         a = self.args
+        self._choose_ports()
         if not a.redis_url:
             exe = shutil.which("redis-server")
             if exe is None:
@@ -404,7 +449,9 @@ class Stack:
             a.redis_url = f"redis://127.0.0.1:{port}/0"
             import redis
             self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
-        env = dict(os.environ, REDIS_URL=a.redis_url)
+        # Secrets travel in the environment, never on a command line (/proc/*/cmdline is
+        # readable by every local user).
+        env = dict(os.environ, REDIS_URL=a.redis_url, PAGEDSERVE_API_KEYS=a.api_keys or "")
         common = [sys.executable, "-m", "services.launcher"]
         grpc_addr = f"127.0.0.1:{a.grpc_port}"
         a.executor = grpc_addr
@@ -454,15 +501,30 @@ class Stack:
             for sig, handler in self._handlers.items():
                 signal.signal(sig, handler)
 
-    def wait(self) -> int:
-        """Block until a service dies (then stop the rest) or we are interrupted."""
+    def wait(self, poll_s: float = 0.2) -> int:
+        """Supervise until interrupted: restart a service that dies, with backoff."""
+        delay = {name: RESTART_FIRST_S for name, _ in self.procs}
+        started = {name: time.monotonic() for name, _ in self.procs}
+        due: dict[str, float] = {}          # name -> when its restart is due
         while True:
-            for name, proc in self.procs:
-                if proc.poll() is not None:
-                    print(f"pagedserve: {name} exited with status {proc.returncode}; stopping",
-                          file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+            now = time.monotonic()
+            for name, proc in list(self.procs):
+                if name in due or proc.poll() is None:
+                    continue
+                if now - started[name] >= RESTART_STABLE_S:
+                    delay[name] = RESTART_FIRST_S
+                due[name] = now + delay[name]
+                print(f"pagedserve: {name} exited with status {proc.returncode}; restarting "
+                      f"it in {delay[name]:g} s (the stack is degraded meanwhile)",
+                      file=sys.stderr, flush=True)
+                delay[name] = min(RESTART_CAP_S, 2 * delay[name])
+            for name, when in list(due.items()):
+                if now >= when:
+                    del due[name]
+                    started[name] = now
+                    argv, env = self.specs[name]
+                    self._spawn(name, argv, env)
+            time.sleep(poll_s)
 
 
 def _terminate(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 10.0) -> None:
@@ -484,6 +546,22 @@ def _terminate(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 10.0)
             pass
 
 
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    """Was `flag` set on the command line or through its environment variable?"""
+    env = next(e for table in _TABLES["serve"] for f, e, *_ in table if f == flag)
+    argv = getattr(args, "argv", None) or []
+    return env in os.environ or any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port))
+            return True
+        except OSError:
+            return False
+
+
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -502,7 +580,7 @@ def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
                 elif typ == "names":
                     if value:
                         flags += [flag, *value]
-                elif value is not None and flag != "--redis-url":
+                elif value is not None and flag not in ("--redis-url", "--api-keys"):
                     flags += [flag, str(value)]
         out[name] = flags
     return out
@@ -535,6 +613,7 @@ def _serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "healthcheck":

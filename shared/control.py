@@ -10,7 +10,16 @@ import grpc
 from shared.proto import control_pb2 as pb
 from shared.proto import control_pb2_grpc as pb_grpc
 
-__all__ = ["pb", "pb_grpc", "ExecutorClient"]
+__all__ = ["pb", "pb_grpc", "ExecutorClient", "owner_identity"]
+
+
+OWNER_LEASE_S = 5.0    # an executor's owner silent this long may be replaced by another
+
+
+def owner_identity(owner: str, fence: int) -> bytes:
+    """The ZeroMQ identity of an owner's result socket (DEALER, connected to the executor's
+    ROUTER): the executor addresses each result to the owner of its plan's token."""
+    return f"{owner}#{fence}".encode()
 
 
 class ExecutorClient:
@@ -24,11 +33,12 @@ class ExecutorClient:
     def describe(self, timeout: float = 5.0) -> pb.ExecutorInfo:
         return self._stub.Describe(pb.DescribeRequest(), timeout=timeout)
 
-    def health(self, timeout: float = 1.0) -> pb.HealthReply:
-        return self._stub.Health(pb.HealthRequest(), timeout=timeout)
+    def health(self, timeout: float = 1.0, owner: str = "") -> pb.HealthReply:
+        """`owner`: the owner renews its lease (ResetRequest in control.proto)."""
+        return self._stub.Health(pb.HealthRequest(owner=owner), timeout=timeout)
 
-    def reset(self, timeout: float = 5.0) -> pb.ResetReply:
-        return self._stub.Reset(pb.ResetRequest(), timeout=timeout)
+    def reset(self, timeout: float = 5.0, owner: str = "") -> pb.ResetReply:
+        return self._stub.Reset(pb.ResetRequest(owner=owner), timeout=timeout)
 
     def shutdown(self, timeout: float = 2.0) -> None:
         self._stub.Shutdown(pb.ShutdownRequest(), timeout=timeout)

@@ -209,6 +209,7 @@ class StepPlan:
     bitmask_rows: list[int] = field(default_factory=list)
     bitmask_words: int = 0
     token_bitmask: bytes = b""
+    fence: int = 0          # the sender's fencing token (Reset); an executor refuses others
 
 
 # ---------------------------------------------------------------- step result (executor → scheduler)

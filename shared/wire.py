@@ -22,7 +22,11 @@ from typing import Any, Callable, TypeVar
 
 import msgpack
 
-WIRE_VERSION = 3     # raised whenever a message changes its fields or their meaning
+# The largest message a socket accepts (ZeroMQ MAXMSGSIZE): a plan holds at most
+# max_num_seqs whole prompts (NewSeq) of max_model_len tokens, a few MiB; a peer that sends
+# more is cut off instead of making the receiver allocate it.
+MAX_MESSAGE_BYTES = 64 << 20
+WIRE_VERSION = 4     # raised whenever a message changes its fields or their meaning
 
 T = TypeVar("T")
 

@@ -28,15 +28,20 @@ class Cluster:
         self.base_url = f"http://127.0.0.1:{self.http}"
 
     # ---------------------------------------------------------------- processes
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], inject: str = "") -> subprocess.Popen:
+        """`inject`: Python run in the process before the service starts (a fault)."""
         common = ["--redis-url", self.redis_url, "--redis-prefix", self.prefix,
                   "--log-level", "warning"]
-        proc = subprocess.Popen([sys.executable, "-m", "services.launcher", *argv, *common],
+        entry = ["-m", "services.launcher"] if not inject else [
+            "-c", inject + "\nimport sys\nfrom services.launcher import main\n"
+                           "sys.exit(main(sys.argv[1:]))"]
+        proc = subprocess.Popen([sys.executable, *entry, *argv, *common],
                                 cwd=REPO, start_new_session=True)
         self.procs[name] = proc
         return proc
 
-    def start_executor(self, name: str = "executor", timeout: float = 300) -> None:
+    def start_executor(self, name: str = "executor", timeout: float = 300,
+                       inject: str = "") -> None:
         """Start (or restart on the same ports) one executor."""
         if name not in self.executors:
             self.executors[name] = (free_port(), free_ports(2))
@@ -44,7 +49,7 @@ class Cluster:
         self._spawn(name, ["executor", "--grpc-port", str(grpc_port), "--zmq-port",
                            str(zmq_port), "--device", "cpu", "--dtype", "float32",
                            "--kv-cache-gib", "0.25", "--swap-space-gib", "0.25",
-                           *self.exec_flags])
+                           *self.exec_flags], inject)
         client = ExecutorClient(f"127.0.0.1:{grpc_port}")
         self._wait(name, lambda: client.is_alive(1.0), timeout)
 

@@ -1,5 +1,7 @@
-"""Faults on real processes (kill -9, Redis down): every accepted request completes correctly
-or ends with an explicit error, nothing hangs, and no KV block leaks after recovery."""
+"""Faults on real processes started one by one (kill -9, Redis down): a restarted scheduler or
+executor continues every request where its stream stopped, with the same output as no crash;
+nothing hangs, and no KV block leaks after recovery. The same under `pagedserve serve`, which
+restarts the services itself: tests/test_recovery.py."""
 from __future__ import annotations
 
 import json
@@ -117,7 +119,7 @@ def requests_with_output(cluster: Cluster) -> int:
                for key in r.scan_iter(match=cluster.keys.output("*"), _type="STREAM"))
 
 
-def test_scheduler_kill_9_loses_no_queued_request(cluster):
+def test_scheduler_kill_9_is_invisible_to_the_client(cluster):
     prompts = [f"Story number {i}: once upon a time" for i in range(10)]
     new_tokens = 48
     outs, threads = launch(cluster.base_url, prompts, new_tokens)
@@ -137,43 +139,34 @@ def test_scheduler_kill_9_loses_no_queued_request(cluster):
         t.join(timeout=300)
     assert all(r.error is None and r.usage_tokens == new_tokens for r in reference), \
         [r.error for r in reference]
-
-    completed = [(o, r) for o, r in zip(outs, reference) if o.error is None]
-    failed = [o for o in outs if o.error is not None]
-    # Every request that had not started when the scheduler died was run in full by its
-    # successor; only half-run ones may fail, each with an explicit, actionable error.
-    assert len(failed) <= started, [o.error for o in failed]
-    assert len(completed) >= len(prompts) - started
-    for o in failed:
-        assert "retry" in o.error, o.error
-    for o, r in completed:
+    # The successor continued the half-run requests from their streams and ran the rest.
+    assert [o.error for o in outs] == [None] * len(prompts)
+    for o, r in zip(outs, reference):
         assert o.finish == "length" and o.usage_tokens == new_tokens
         assert o.text == r.text
     assert settle_blocks(cluster) == 0
 
 
-def test_executor_kill_9_is_detected_and_recovered(cluster):
-    outs, threads = launch(cluster.base_url, ["Tell me about the sea."], 400)
+def test_executor_kill_9_pauses_the_stream_which_then_continues(cluster):
+    prompt, new_tokens = "Tell me about the sea.", 48
+    reference = Outcome()
+    stream(cluster.base_url, prompt, new_tokens, reference)
+    assert reference.error is None and reference.usage_tokens == new_tokens
+    outs, threads = launch(cluster.base_url, [prompt], new_tokens)
     wait_until("three chunks stream", lambda: outs[0].tokens >= 3, 120)
-    killed = time.monotonic()
     cluster.kill("executor")
-    threads[0].join(timeout=60)
-    assert outs[0].error is not None and outs[0].finish in (None, "error")
-    # The scheduler declares a silent executor dead after executor_timeout_s, then probes
-    # it (a 1 s gRPC deadline) before failing the request; a step in flight and the
-    # delivery through Redis and the gateway take up to a few step times on top.
-    times = outs[0].token_times
-    step = max(b - a for a, b in zip(times, times[1:]))
-    bound = SchedulerServiceConfig().executor_timeout_s + 1.0 + 3 * step
-    assert outs[0].ended_at - killed < bound, \
-        f"executor loss reported after {outs[0].ended_at - killed:.1f} s (bound {bound:.1f} s)"
-    status, body = cluster.get("/health")
-    assert status == 503 and "degraded" in body
+    # The scheduler declares a silent executor dead after executor_timeout_s and probes
+    # it (a 1 s gRPC deadline); then /health says why the stack cannot serve.
+    wait_until("/health says degraded", lambda: cluster.get("/health")[0] == 503,
+               SchedulerServiceConfig().executor_timeout_s + 10)
+    assert "executor lost" in cluster.get("/health")[1]
+    assert outs[0].error is None and not outs[0].finish     # the stream waits, open
     cluster.start_executor()
+    threads[0].join(timeout=120)
+    assert not threads[0].is_alive()
+    assert outs[0].error is None and outs[0].usage_tokens == new_tokens
+    assert outs[0].text == reference.text
     wait_until("/health is 200 again", lambda: cluster.get("/health")[0] == 200, 60)
-    again = Outcome()
-    stream(cluster.base_url, "Hello after recovery", 8, again)
-    assert again.error is None and again.usage_tokens == 8
     assert settle_blocks(cluster) == 0
 
 
@@ -192,3 +185,51 @@ def test_redis_down_gives_503_then_recovers(private_redis, cluster):
         assert out.error is None and out.usage_tokens == 6
     finally:
         stop_process(restarted.proc)
+
+
+FAILING_DEVICE = """
+from services.executor import model_runner
+def _execute(self, plan):
+    raise RuntimeError("device error (injected)")
+model_runner.ModelRunner.execute = _execute
+"""
+
+
+def test_an_executor_that_fails_every_step_fails_each_request_within_its_retries(private_redis):
+    c = Cluster(private_redis.url, sched_flags=["--max-num-seqs", "4"])
+    try:
+        c.start_executor(inject=FAILING_DEVICE)
+        c.start_scheduler()
+        c.start_gateway()
+        t0 = time.monotonic()
+        outs, threads = launch(c.base_url, [f"Prompt {i}" for i in range(6)], 8)
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        retries = SchedulerServiceConfig().max_step_retries
+        for o in outs:
+            assert o.error and f"failed {retries + 1} times" in o.error, o.error
+            assert "device error (injected)" in o.error
+        assert time.monotonic() - t0 < 30
+        assert c.get("/health")[0] == 200           # the scheduler itself is fine
+    finally:
+        c.stop_all()
+
+
+def test_a_second_scheduler_on_one_executor_stands_by_and_takes_over(cluster):
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    reference, threads = launch(cluster.base_url, prompts, 24)
+    for t in threads:
+        t.join(timeout=300)
+    cluster.start_scheduler("sched-b")            # same executor: refused, it stands by
+    r = redis.Redis.from_url(cluster.redis_url)
+    assert b"owned by the live scheduler 'sched-a'" in r.hget(cluster.keys.degraded, "sched-b")
+    outs, threads = launch(cluster.base_url, prompts, 24)
+    wait_until("two requests stream", lambda: sum(o.tokens > 0 for o in outs) >= 2, 120)
+    cluster.kill("sched-a")                       # the standby takes the executor over
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert [o.error for o in outs] == [None] * len(prompts)
+    assert [o.text for o in outs] == [ref.text for ref in reference]
+    wait_until("sched-b serves", lambda: r.hget(cluster.keys.degraded, "sched-b") is None, 30)

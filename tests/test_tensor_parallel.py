@@ -115,52 +115,49 @@ def _stream_outcome(base_url: str, max_tokens: int, started: threading.Event) ->
     return out
 
 
-def test_a_lost_rank_fails_the_request_and_restarting_the_group_recovers(redis_server):
+def test_a_lost_rank_pauses_the_request_until_the_group_is_restarted(redis_server):
     """The executor run under a supervisor (here the test, as compose's restart policy would):
-    a rank that dies takes rank 0 down with status 1, the request in flight ends with an
-    explicit error, /health says 503 until the group is restarted, then requests work."""
+    a rank that dies takes rank 0 down with status 1, /health says 503 until the group is
+    restarted, and the request in flight then continues to its end (recomputed)."""
     cluster = Cluster(redis_server.url, exec_flags=["--tensor-parallel-size", "3"])
     try:
         cluster.start_all()
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(_stream_outcome, cluster.base_url, 2000, started)
+            pending = pool.submit(_stream_outcome, cluster.base_url, 64, started)
             assert started.wait(120), "the stream never started"
             executor = cluster.procs["executor"]
             ranks = _children(executor.pid)
             assert len(ranks) == 2, ranks
             os.kill(ranks[1], signal.SIGKILL)
             assert executor.wait(timeout=30) == 1, "rank 0 did not stop with status 1"
-            out = pending.result(timeout=60)
-        # an error event from the stack, not a cut connection
-        assert out["finish"] != "length" and out["error"], out
-        assert not out["error"].startswith("transport"), out
-        deadline = time.monotonic() + 30
-        while cluster.get("/health")[0] != 503:
-            assert time.monotonic() < deadline, "/health did not report the lost executor"
-            time.sleep(0.1)
-        del cluster.procs["executor"]
-        cluster.start_executor()          # the supervisor's restart: the whole group again
+            deadline = time.monotonic() + 30
+            while cluster.get("/health")[0] != 503:
+                assert time.monotonic() < deadline, "/health did not report the lost executor"
+                time.sleep(0.1)
+            assert not pending.done(), "the request ended while the executor was down"
+            del cluster.procs["executor"]
+            cluster.start_executor()      # the supervisor's restart: the whole group again
+            out = pending.result(timeout=300)
+        assert out["error"] is None and out["finish"] == "length", out
         deadline = time.monotonic() + 60
         while cluster.get("/health")[0] != 200:
             assert time.monotonic() < deadline, "/health did not recover"
             time.sleep(0.2)
-        again = _stream_outcome(cluster.base_url, 8, threading.Event())
-        assert again["error"] is None and again["finish"] == "length", again
     finally:
         cluster.stop_all()
 
 
-def test_a_lost_rank_stops_serve_with_status_1(tp3):
-    """Under `serve`, a lost rank stops the executor and with it the whole stack (status 1);
-    the request in flight does not finish as if nothing happened. Runs last: it ends tp3."""
+def test_a_lost_rank_under_serve_restarts_the_group_and_the_request_continues(tp3):
+    """Under `serve`, a lost rank stops its executor (status 1); serve starts the whole group
+    again and the request in flight continues to its end."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(_stream_outcome, tp3.base_url, 2000, started)
+        pending = pool.submit(_stream_outcome, tp3.base_url, 64, started)
         assert started.wait(120), "the stream never started"
         executor = next(pid for pid in _children(tp3.proc.pid) if _children(pid))
         os.kill(_children(executor)[0], signal.SIGKILL)
-        assert tp3.proc.wait(timeout=60) == 1
-        out = pending.result(timeout=60)
-    assert out["finish"] != "length" and out["error"], out
+        out = pending.result(timeout=300)
+    assert out["error"] is None and out["finish"] == "length", out
+    assert tp3.proc.poll() is None, "serve stopped"
 

@@ -1,13 +1,20 @@
 """The executor process: a ModelRunner behind a ZeroMQ data plane and a gRPC control plane.
 
-    scheduler ──PUSH StepPlan──▶ [PULL  tcp://host:zmq_port+1+rank]  every rank
-    scheduler ◀─PULL StepResult─ [PUSH  tcp://host:zmq_port]          rank 0 only
+    scheduler ──PUSH StepPlan──▶ [PULL   tcp://host:zmq_port+1+rank]  every rank
+    scheduler ◀DEALER StepResult [ROUTER tcp://host:zmq_port]          rank 0 only
     scheduler ──gRPC Describe / Health / Reset / Shutdown──▶ [grpc_port] rank 0
     rank 0 ────gRPC Health / Reset / Shutdown──▶ [grpc_port+rank]     ranks 1..N-1
 
 The executor binds and the scheduler connects, so a restarted scheduler finds the executor
 where it was. Plans are executed strictly one at a time, in arrival order. The executor
 decides no policy: it does what the plan says.
+
+One owner at a time. `Reset(owner)` makes a scheduler the owner and hands it a fencing
+token (`fence`); a plan with another token is refused with an error result, and results go
+to the owner's socket only (ROUTER, addressed by `owner#fence`), never dealt round-robin
+among connected schedulers. While the owner renews its lease (a plan of its fence, or a
+Health call naming it, at least every OWNER_LEASE_S) a Reset by another scheduler is
+refused: it stands by and takes over when the owner has gone silent.
 
 With tensor parallelism the ranks of one executor run on one host. Rank 0 speaks for the
 group on the control plane: its Health is ok only while every rank answers, and Reset and
@@ -29,11 +36,13 @@ import grpc
 import zmq
 
 from services.executor.config import ExecutorConfig
-from shared.control import pb, pb_grpc
+from shared.control import OWNER_LEASE_S, owner_identity, pb, pb_grpc
 from shared.messages import StepPlan, StepResult
-from shared.wire import WireError, decode, encode
+from shared.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
 
 log = logging.getLogger("pagedserve.executor")
+
+RESULT_SEND_S = 2.0            # a result waits this long for its owner's socket to connect
 
 
 @dataclass(slots=True)
@@ -68,13 +77,15 @@ class _Control(pb_grpc.ExecutorControlServicer):
 
     def Health(self, request, context):
         s = self.server
+        s.renew(request.owner)
         lost = s.lost_peers()
         status = f"rank(s) {', '.join(map(str, lost))} not answering" if lost else "ok"
         return pb.HealthReply(ok=not lost, status=status, steps=s.steps,
-                              uptime_s=time.time() - s.started_at, live_seqs=s.live_seqs())
+                              uptime_s=time.time() - s.started_at, live_seqs=s.live_seqs(),
+                              fence=s.fence, instance_id=s.instance_id)
 
     def Reset(self, request, context):
-        return pb.ResetReply(dropped_seqs=self.server.reset())
+        return self.server.take_over(request.owner)
 
     def Shutdown(self, request, context):
         self.server.stop()
@@ -95,6 +106,11 @@ class ExecutorServer:
         self._zmq = zmq.Context.instance()
         self._grpc: grpc.Server | None = None
         self.exit_code = 0
+        # Ownership (see the module docstring): the owner's name and token, when it last
+        # renewed its lease (monotonic s), and the names of earlier tokens (to answer a
+        # fenced owner's plan on its own socket).
+        self.owner, self.fence, self.owner_seen = "", 0, 0.0
+        self.owners: dict[int, str] = {}
         # Rank 0 reaches the other ranks' control servers (on this host).
         self.peers = []
         if config.rank == 0:
@@ -123,6 +139,24 @@ class ExecutorServer:
         lost = [0] if self.runner.broken else []
         return lost + [r for r, peer in enumerate(self.peers, 1) if not peer.is_alive(0.5)]
 
+    def renew(self, owner: str, fence: int | None = None) -> None:
+        if owner and owner == self.owner and fence in (None, self.fence):
+            self.owner_seen = time.monotonic()
+
+    def take_over(self, owner: str) -> pb.ResetReply:
+        """Reset for a new owner, unless another one holds a live lease."""
+        with self._lock:
+            now = time.monotonic()
+            if (owner != self.owner and self.owner
+                    and now - self.owner_seen < OWNER_LEASE_S):
+                return pb.ResetReply(fence=0, holder=self.owner)
+            self.fence += 1
+            self.owner, self.owner_seen = owner, now
+            self.owners[self.fence] = owner
+            if len(self.owners) > 64:
+                del self.owners[min(self.owners)]
+        return pb.ResetReply(dropped_seqs=self.reset(), fence=self.fence)
+
     def reset(self) -> int:
         """Drop every sequence's state (block tables included) on every rank; the pool
         contents are simply overwritten later, so nothing needs clearing."""
@@ -146,11 +180,16 @@ class ExecutorServer:
         c = self.config
         plans = self._zmq.socket(zmq.PULL)
         plans.setsockopt(zmq.LINGER, 0)
+        plans.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         plans.bind(f"tcp://{c.bind_host}:{c.zmq_port + 1 + c.rank}")
         results = None
         if c.rank == 0:
-            results = self._zmq.socket(zmq.PUSH)
+            results = self._zmq.socket(zmq.ROUTER)
             results.setsockopt(zmq.LINGER, 0)
+            results.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            results.setsockopt(zmq.ROUTER_MANDATORY, 1)     # an unknown peer: an error
+            # The same owner reconnecting (a new socket after a Reset) replaces its old one.
+            results.setsockopt(zmq.ROUTER_HANDOVER, 1)
             results.bind(f"tcp://{c.bind_host}:{c.zmq_port}")
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_ExecutorControlServicer_to_server(_Control(self), self._grpc)
@@ -164,9 +203,9 @@ class ExecutorServer:
             while not self._stop.is_set():
                 if not poller.poll(200):
                     continue
-                reply = self._execute(plans.recv())
+                to, reply = self._execute(plans.recv())
                 if results is not None and reply is not None:
-                    results.send(reply)
+                    self._send_result(results, to, reply)
                 if self.runner.broken:
                     log.critical("tensor-parallel step failed on rank %d; the executor group "
                                  "is out of step and must be restarted", c.rank)
@@ -179,20 +218,44 @@ class ExecutorServer:
             if self._grpc is not None:
                 self._grpc.stop(grace=0.5)
 
-    def _execute(self, data: bytes) -> bytes | None:
+    def _send_result(self, sock, to: bytes, reply: bytes) -> None:
+        """To the owner `to` only. Its socket may still be connecting (a plan can overtake
+        the result socket's handshake): wait a little for it, then drop the result (its
+        sender's step deadline and health checks take over)."""
+        deadline = time.monotonic() + RESULT_SEND_S
+        while True:
+            try:
+                sock.send_multipart([to, reply], flags=zmq.NOBLOCK)
+                return
+            except zmq.ZMQError as exc:
+                if time.monotonic() > deadline or self._stop.is_set():
+                    log.warning("result for %s dropped: %s", to.decode(errors="replace"), exc)
+                    return
+                time.sleep(0.002)
+
+    def _execute(self, data: bytes) -> tuple[bytes, bytes | None]:
+        """(the owner identity the result goes to, the encoded result)."""
+        to = owner_identity(self.owner, self.fence)
         try:
             plan = decode(data, StepPlan)
         except WireError as exc:
             log.error("dropping malformed plan: %s", exc)
-            return encode(StepResult(step_id=-1, error=f"malformed plan: {exc}"))
+            return to, encode(StepResult(step_id=-1, error=f"malformed plan: {exc}"))
         with self._lock:
+            if plan.fence != self.fence:
+                # A stale owner (another scheduler took over): refused, on its own socket.
+                sender = self.owners.get(plan.fence, "")
+                return owner_identity(sender, plan.fence), encode(StepResult(
+                    step_id=plan.step_id, error=f"fenced: plan of token {plan.fence}, but "
+                    f"the executor's owner is now {self.owner!r} (token {self.fence})"))
+            self.owner_seen = time.monotonic()
             try:
                 result = self.runner.execute(plan)
             except Exception as exc:  # the runner reports its own errors; this is a last resort
                 log.exception("step %d failed", plan.step_id)
                 result = StepResult(step_id=plan.step_id, error=f"executor error: {exc}")
             self.steps += 1
-        return encode(result)
+        return to, encode(result)
 
 
 def run(config: ExecutorServiceConfig, ranks=()) -> int:

@@ -92,7 +92,7 @@ class Gateway:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.created = int(time.time())
         self.retry_after = {"Retry-After": str(config.retry_after_s)}
-        self._depth, self._depth_next_probe = 0, 0.0
+        self._depth, self._depth_next_probe, self._gone = 0, 0.0, None
 
     async def parse(self, fn: Callable, request: Request) -> Any:
         """fn(JSON body). Small bodies inline: a thread hop costs more than tokenizing a few
@@ -170,6 +170,10 @@ class Gateway:
         if loop.time() >= self._depth_next_probe:
             self._depth_next_probe = loop.time() + self.config.queue_probe_s
             self._depth = await self.queue.depth()
+            self._gone = await self.scheduler_gone()
+        if self._gone is not None:
+            self.metrics.rejected.labels("503").inc()
+            raise ApiError(503, self._gone, code="no_scheduler", headers=self.retry_after)
         if self._depth >= self.config.max_queue:
             self.metrics.rejected.labels("429").inc()
             raise ApiError(429, f"the server is busy: {self._depth} requests are unfinished "
@@ -223,12 +227,22 @@ class Gateway:
     async def ping(self, request: Request) -> Response:
         return json_response({"status": "ok"})
 
+    async def scheduler_gone(self) -> str | None:
+        """Why no scheduler will serve a request (schedulers are known but none has beaten
+        for scheduler_gone_s), or None. With none known yet the stack is starting: None."""
+        beats, _degraded, now = await self.queue.scheduler_status()
+        gone_s = self.config.scheduler_gone_s
+        if beats and all(now - t >= gone_s for t in beats.values()):
+            return (f"no scheduler has been alive for {gone_s:g} s: the request was not "
+                    f"served; retry in a few seconds")
+        return None
+
     async def health(self, request: Request) -> Response:
         try:
-            beats, degraded = await self.queue.scheduler_status()
+            beats, degraded, now = await self.queue.scheduler_status()
         except QueueUnavailable as exc:
             return json_response({"status": "degraded", "reason": str(exc)}, 503)
-        now, fresh_s = time.time(), self.config.heartbeat_fresh_s
+        fresh_s = self.config.heartbeat_fresh_s
         alive = sorted(name for name, t in beats.items() if now - t < fresh_s)
         serving = [name for name in alive if name not in degraded]
         if serving:

@@ -46,6 +46,12 @@ class GatewayConfig:
     resume_grace_s: float = 30.0           # a resumable stream's request outlives its client's
     # drop by this long, waiting for a resume; other requests are aborted at once
     heartbeat_fresh_s: float = 5.0         # /health: a scheduler beat younger than this is alive
+    # No scheduler beat for this long (while some scheduler is known): new requests get 503
+    # with Retry-After, and a stream with no output gets a 503 error event. Longer than a
+    # scheduler restart under `serve` (docs/reliability.md), which the client never sees.
+    scheduler_gone_s: float = 20.0
+    stall_check_s: float = 5.0             # a stream quiet this long checks its request is alive
+    request_timeout_s: float = 3600.0      # a request still running after this ends with 504
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, env: dict[str, str] | None = None

@@ -2,10 +2,15 @@
 
 Chat messages are rendered by the model's own chat template (text parts only, joined by
 newlines; "developer" is sent as "system"), then tokenized without special tokens: the
-template writes them itself.
+template writes them itself. A message's content is always tokenized as text: a
+special-token string in it ("<|im_start|>system") becomes the tokens of those characters,
+never the control token, so no user can open a turn of another role. The template renders
+a placeholder per content; the template's text around them is tokenized with its special
+tokens, each content as text, and the pieces are joined.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from services.gateway import tools as tool_calls
@@ -19,12 +24,23 @@ _TEMPLATE_OWN = frozenset({"conversation", "tools", "documents", "chat_template"
                            "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+# A message content's place in the rendered template: private-use characters, which no
+# template writes and no content reaches the template with (contents are swapped out).
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
 class PromptBuilder:
     def __init__(self, tokenizer, vocab) -> None:
         self.tokenizer, self.vocab = tokenizer, vocab
         # NOTE: the Rust tokenizer's encode only reads its state, so the event loop and the
         # tokenizer thread may call it at once; transformers' wrapper may reconfigure it.
         self._rust = getattr(tokenizer, "backend_tokenizer", None)
+        # A copy that reads special-token strings as plain text (for message contents).
+        self._rust_text = None
+        if self._rust is not None:
+            from tokenizers import Tokenizer
+            self._rust_text = Tokenizer.from_str(self._rust.to_str())
+            self._rust_text.encode_special_tokens = True
 
     def token_ids(self, v: Any, param: str, allow_empty: bool = False,
                   limit: int | None = None) -> list[int]:
@@ -74,7 +90,7 @@ class PromptBuilder:
         into the messages themselves (tools.fallback_messages)."""
         if not isinstance(v, list) or not v:
             raise bad("messages must be a non-empty array of {role, content} objects", "messages")
-        msgs = []
+        msgs, contents = [], []
         for i, m in enumerate(v):
             where = f"messages[{i}]."
             mf = Fields(m, frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
@@ -84,8 +100,10 @@ class PromptBuilder:
                 raise bad(f"{where}role must be one of {', '.join(ROLES)}, got {role!r}",
                           where + "role")
             mf.str("name", None)
+            # The content is a mark here; _encode_rendered puts it back, tokenized as text.
             msg = {"role": "system" if role == "developer" else role,
-                   "content": self._content(mf.raw("content"), where + "content")}
+                   "content": f"\ue000{i}\ue001"}
+            contents.append(self._content(mf.raw("content"), where + "content"))
             if role == "assistant" and mf.raw("tool_calls") is not None:
                 msg["tool_calls"] = tool_calls.history_calls(mf.raw("tool_calls"), where)
             if role == "tool":
@@ -110,7 +128,29 @@ class PromptBuilder:
         except Exception as exc:   # a template may raise anything (jinja2 errors, ValueError)
             raise bad(f"the model's chat template rejected these messages: {exc}",
                       "messages") from None
-        return self.encode(rendered, add_special)
+        return self._encode_rendered(rendered, contents, add_special)
+
+    def _encode_rendered(self, rendered: str, contents: list[str], add_special: bool
+                         ) -> list[int]:
+        """The template's text with its special tokens, each content (at its mark) as text."""
+        pieces = _MARK.split(rendered)        # text, mark index, text, mark index, ..., text
+        marks = [int(k) for k in pieces[1::2]]
+        if sorted(marks) != list(range(len(contents))):
+            raise bad("the model's chat template changes message contents (it "
+                      "does not write each one once, as given): this server cannot keep "
+                      "them apart from the template's own tokens", "messages")
+        ids = self.encode(pieces[0], add_special)
+        for k, after in zip(marks, pieces[2::2]):
+            ids += self.encode_text(contents[k])
+            ids += self.encode(after, False)
+        return ids
+
+    def encode_text(self, s: str) -> list[int]:
+        """Token ids of `s` read as text: special-token strings in it are not special."""
+        if self._rust_text is not None:
+            return self._rust_text.encode(s, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(s, add_special_tokens=False,
+                                          split_special_tokens=True))
 
     @staticmethod
     def _content(v: Any, param: str) -> str:

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -58,12 +59,15 @@ class RequestQueue:
         await self.redis.connection_pool.disconnect()
 
     async def call(self, coro):
-        """Await a Redis command; a Redis failure becomes QueueUnavailable."""
+        """Await a Redis command; a Redis failure (down, or out of memory under its
+        maxmemory) becomes QueueUnavailable, a 503."""
         try:
             return await coro
         except REDIS_DOWN as exc:
             raise QueueUnavailable(f"Redis at {self.where} did not answer "
                                    f"({type(exc).__name__}: {str(exc)[:120]})") from None
+        except OutOfMemoryError:
+            raise QueueUnavailable(f"Redis at {self.where} is out of memory") from None
 
     # ------------------------------------------------------------ requests
     async def depth(self) -> int:
@@ -149,19 +153,30 @@ class RequestQueue:
         return _outputs(after, entries)
 
     # ------------------------------------------------------------ fleet
-    async def scheduler_status(self) -> tuple[dict[str, float], dict[str, str]]:
-        """(name -> last heartbeat, name -> why it cannot serve) of every scheduler."""
+    async def scheduler_status(self) -> tuple[dict[str, float], dict[str, str], float]:
+        """(name -> last heartbeat, name -> why it cannot serve, now) of every scheduler;
+        heartbeats and now are in the Redis server's clock."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.schedulers)
         pipe.hgetall(self.keys.degraded)
-        beats, degraded = await self.call(pipe.execute())
+        pipe.time()
+        beats, degraded, (secs, usecs) = await self.call(pipe.execute())
         out = {}
         for name, value in beats.items():
             try:
                 out[name.decode()] = float(value)
             except ValueError:
                 continue
-        return out, {k.decode(): v.decode(errors="replace") for k, v in degraded.items()}
+        return (out, {k.decode(): v.decode(errors="replace") for k, v in degraded.items()},
+                secs + usecs / 1e6)
+
+    async def outputs_exist(self, request_ids: list[str]) -> bool:
+        """Whether every request's output stream still exists (Redis restarted without its
+        data: the request is lost, and nothing will ever be written there)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(self.keys.output(rid))
+        return all(await self.call(pipe.execute()))
 
     async def scheduler_metrics(self) -> list[tuple[str, str]]:
         """(scheduler name, Prometheus text) for every scheduler that published recently."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from services.gateway.follower import Subscription, next_outputs, stream_id
 from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
@@ -79,6 +80,7 @@ class GenerationStream:
         self.gone = False                   # the client disconnected
         # the response's X-Request-Id: the client's own when it sent one
         self.x_request_id = (echo_request_id or response_id).encode()
+        self.started_at = self.last_news = time.monotonic()
 
     @property
     def done(self) -> bool:
@@ -120,7 +122,33 @@ class GenerationStream:
         """New (part, entry id, output)s, [] after wait_s, None once the client has gone."""
         if self.gone:
             return None
-        return await next_outputs([p.sub for p in self.parts], wait_s)
+        outputs = await next_outputs([p.sub for p in self.parts], wait_s)
+        now, cfg = time.monotonic(), self.gw.config
+        if outputs:
+            self.last_news = now
+        elif now - self.last_news >= cfg.stall_check_s and not self.done:
+            self.last_news = now                  # the next check after as long again
+            await self._check_alive()
+        if now - self.started_at > cfg.request_timeout_s and not self.done:
+            self._fail(f"the request ran longer than the server's limit of "
+                       f"{cfg.request_timeout_s:g} s", 504)
+        return outputs
+
+    async def _check_alive(self) -> None:
+        """A stream with no news for stall_check_s: is anything still working on it? (A
+        scheduler restart, or an executor restart, only pauses it: both continue it.)"""
+        why = await self.gw.scheduler_gone()
+        running = [p.spec.request_id for p in self.parts if not p.proc.done]
+        if why is None and not await self.gw.queue.outputs_exist(running):
+            why = ("the request was lost: Redis restarted without its data; retry the "
+                   "request")
+        if why is not None:
+            self._fail(why, 503)
+
+    def _fail(self, message: str, status: int) -> None:
+        """End the response with this error (the loops then abort what still runs)."""
+        proc = next(p for p in self.procs if not p.done)
+        proc.error = (message, status)
 
     async def _client_gone(self) -> None:
         """A plain request is aborted now; a resumable one after resume_grace_s, if it is

@@ -12,9 +12,11 @@ never read by a position that depends on what was asked. Key names: shared/redis
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgpack
 import redis
 
 from shared.messages import AbortRequest, GenerationRequest, RequestOutput
@@ -31,6 +33,9 @@ class Inbound:
 
     requests: list[tuple[str, GenerationRequest]] = field(default_factory=list)  # (entry id, _)
     malformed: list[str] = field(default_factory=list)    # request entry ids to acknowledge
+    # (request id, why) of the undecodable entries that still name their request: their
+    # client is answered with an error instead of waiting forever
+    refused: list[tuple[str, str]] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
 
 
@@ -43,6 +48,16 @@ class Heartbeat:
     metrics: bytes | None = None         # Prometheus exposition, kept 15 s
 
 
+def _request_id_of(raw) -> str | None:
+    """The request id of an entry that does not decode as a GenerationRequest (another wire
+    version, say), when its envelope still holds one: [version, type, request_id, ...]."""
+    try:
+        body = msgpack.unpackb(raw, raw=False)
+        return body[2] if isinstance(body[2], str) and body[2] else None
+    except Exception:
+        return None
+
+
 def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
@@ -53,6 +68,20 @@ class RedisLink:
         self.keys = keys
         self.name = name                 # this scheduler's consumer name
         self.abort_cursor = "0"          # every scheduler reads every abort
+        # Redis server time minus this host's (s), measured by every round: heartbeats are
+        # written and compared in the server's clock, so hosts' clocks need not agree.
+        self.clock_offset = 0.0
+
+    def now(self) -> float:
+        """The Redis server's clock (unix seconds), as of the last round's measurement."""
+        return time.time() + self.clock_offset
+
+    def sync_clock(self) -> None:
+        self._take_time(self.redis.time(), None)
+
+    def _take_time(self, reply, _inbound) -> None:
+        secs, usecs = reply
+        self.clock_offset = secs + usecs / 1e6 - time.time()
 
     def ensure_group(self) -> None:
         try:
@@ -85,6 +114,7 @@ class RedisLink:
             queue(pipe.xdel, self.keys.requests, *acks)
         if beat is not None:
             self._queue_beat(queue, pipe, beat)
+        queue(pipe.time, handler=self._take_time)
         inbound = Inbound()
         if read:
             queue(pipe.xread, {self.keys.aborts: self.abort_cursor}, count=1000,
@@ -92,8 +122,15 @@ class RedisLink:
             if want:
                 queue(pipe.xreadgroup, CONSUMER_GROUP, self.name, {self.keys.requests: ">"},
                       count=want, handler=self._take_requests)
-        for handler, reply in zip(handlers, pipe.execute()):
-            if handler is not None:
+        for handler, reply in zip(handlers, pipe.execute(raise_on_error=False)):
+            if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
+                # Redis lost its data (a restart): what was published went out; the group
+                # is made again and read in the next round.
+                log.warning("request group vanished (Redis restarted?); recreating it")
+                self.ensure_group()
+            elif isinstance(reply, Exception):
+                raise reply
+            elif handler is not None:
                 handler(reply, inbound)
         return inbound
 
@@ -150,11 +187,23 @@ class RedisLink:
                                   [(e, f) for e, f in entries if _str(e) in wanted])], inbound)
         return inbound
 
-    def has_output(self, request_id: str) -> bool:
-        """Did any scheduler publish output for this request? (The gateway's header entry in
-        the same stream does not count.)"""
-        entries = self.redis.xrange(self.keys.output(request_id), count=4)
-        return any(MSG_FIELD in fields for _eid, fields in entries)
+    def published(self, request_id: str) -> tuple[dict[int, list[int]], set[int], bool]:
+        """What schedulers already published for this request: the tokens of each sample
+        index, the indices that finished, and whether the request finished. (The gateway's
+        header entry in the same stream is not an output.)"""
+        tokens: dict[int, list[int]] = {}
+        ended: set[int] = set()
+        finished = False
+        for _eid, fields in self.redis.xrange(self.keys.output(request_id)):
+            if MSG_FIELD not in fields:
+                continue
+            out = decode(fields[MSG_FIELD], RequestOutput)
+            finished = finished or out.finished
+            for delta in out.seqs:
+                tokens.setdefault(delta.index, []).extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    ended.add(delta.index)
+        return tokens, ended, finished
 
     # ------------------------------------------------------------ replies
     def _take_aborts(self, reply, inbound: Inbound) -> None:
@@ -174,5 +223,9 @@ class RedisLink:
                 try:
                     inbound.requests.append((eid, decode(fields[MSG_FIELD], GenerationRequest)))
                 except (WireError, KeyError) as exc:
-                    log.warning("dropping malformed request entry %s: %s", eid, exc)
+                    log.warning("refusing malformed request entry %s: %s", eid, exc)
                     inbound.malformed.append(eid)
+                    request_id = _request_id_of(fields.get(MSG_FIELD))
+                    if request_id is not None:
+                        inbound.refused.append((request_id, f"the scheduler cannot read this "
+                                                            f"request: {exc}"))

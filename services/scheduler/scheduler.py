@@ -453,6 +453,45 @@ class Scheduler:
         group.status = FINISHED
         self.groups.pop(group.request_id, None)
 
+    # ------------------------------------------------------------------ executor loss
+    def recompute_all(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The executors lost every KV block (an executor restarted, or its state after a
+        failed step is unknown): start over on a fresh pool of this size. Every unfinished
+        request goes back to waiting, in its queue order, and is recomputed from its prompt
+        and the tokens it has already output, as a preemption by recompute would; the plan
+        in flight, if any, is forgotten (its result never comes)."""
+        if num_gpu_blocks < 1:
+            raise ValueError("the executor reported no GPU KV blocks: give it more memory")
+        cfg = self.config
+        if cfg.contiguous:
+            self.block_manager = ContiguousBlockManager(
+                num_gpu_blocks, max(0, num_cpu_blocks), cfg.block_size, cfg.max_blocks_per_seq)
+        else:
+            self.block_manager = BlockManager(num_gpu_blocks, max(0, num_cpu_blocks),
+                                              cfg.block_size, cfg.enable_prefix_caching)
+        self.watermark_blocks = int(cfg.watermark * num_gpu_blocks)
+        self._inflight = None
+        self._pending_finished = []
+        self.running, self.swapped, self.num_running_seqs = [], [], 0
+        self.waiting = []
+        for group in self.groups.values():
+            for seq in group.seqs:
+                seq.block_table = []
+                seq.num_computed_tokens = seq.num_scheduled_tokens = 0
+                seq.block_hashes = []
+                seq.num_cached_blocks = 0
+                seq.cache_chain_broken = False
+                seq.num_tokens_sent = -1
+                seq.num_blocks_sent = seq.num_blocks_synced = 0
+                seq.status = WAITING
+            group.forked = False
+            group.status = WAITING
+            if group.prompt_logprobs is not None and not group.first_output_sent:
+                group.prompt_logprobs = []      # they are computed again
+            self.waiting.append((group.sort_key, group))
+        heapq.heapify(self.waiting)
+        self.num_waiting = len(self.waiting)
+
     # ------------------------------------------------------------------ figures
     def stats(self) -> SchedulerStats:
         return scheduler_stats(self)

@@ -15,8 +15,10 @@ Redis (XREADGROUP BLOCK): it never busy-spins.
 A request's stream entry is acknowledged only when the request ends, so a crashed
 scheduler's unfinished requests stay pending in the consumer group for another to claim.
 The Redis side is redis_link.py; a request's entry id and timeline live on its
-SequenceGroup. A step that fails fails its own requests (Scheduler.update); only an
-executor that stops answering is "lost", and then every request it ran ends or is re-admitted.
+SequenceGroup. A failed step or a lost executor costs no request its stream: every request
+is recomputed from its prompt and streamed tokens (_recover); a successor scheduler
+continues a dead one's requests from their output streams (_reclaim_pending). See
+docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -27,19 +29,21 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 
+import grpc
 import redis
 import zmq
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.outputs import result_error
 from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
-from shared.control import ExecutorClient
+from shared.control import OWNER_LEASE_S, ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
-from shared.wire import decode, encode
+from shared.wire import MAX_MESSAGE_BYTES, decode, encode
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -57,16 +61,25 @@ class SchedulerServiceConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0                 # 0: no HTTP endpoint (the gateway serves /metrics)
     executor_timeout_s: float = 2.0       # a silent executor is declared dead after this
+    step_timeout_s: float = 120.0         # a step still running after this has failed
     startup_timeout_s: float = 600.0      # first model load (and GGUF conversion) can be slow
     read_batch: int = 64                  # most requests taken from the queue per round trip
     # Requests are taken from the shared queue only while this replica holds fewer than
     # max_num_seqs + read_headroom unfinished ones: the rest wait in Redis, where any
     # replica (or this one's successor) can take them.
     read_headroom: int = 4
+    # A request that was in the step in flight when the executor died or a step failed is
+    # recomputed this many times; one more loss ends it with an error (a request that makes
+    # every step fail, or a sticky device error, must not be retried forever).
+    max_step_retries: int = 2
 
 
 class ExecutorLost(RuntimeError):
     pass
+
+
+class ExecutorTaken(RuntimeError):
+    """Another scheduler owns the executor (its lease is live): this one stands by."""
 
 
 def _ended(request: GenerationRequest, reason: str, error: str | None = None,
@@ -100,39 +113,84 @@ class SchedulerService:
         self._last_beat = 0.0
         self._last_metrics = 0.0
         self._next_reclaim = time.monotonic() + 5.0
+        self.plan: StepPlan | None = None        # the plan in flight
+        self.fence = 0                           # this owner's token (executor's Reset)
+        self.instance = ""                       # the executor's instance id (Describe)
+        # Monotonic s of the last result or health answer of the executor: a scheduler
+        # that was stopped (SIGSTOP, a long GC) past the executor's owner lease checks it
+        # still owns it before it publishes anything (another may have taken over).
+        self._last_renew = self._last_contact = 0.0
+        self.losses: dict[str, int] = {}         # request id -> steps of it lost or failed
+        # request id -> (tokens already published per sample index, the indices that
+        # ended): what a predecessor streamed of a request this scheduler takes over
+        self.resume: dict[str, tuple[dict[int, list[int]], set[int]]] = {}
 
     # ------------------------------------------------------------ set-up
-    def connect(self) -> None:
-        """Attach to the executor (waiting for it), then build a fresh engine core."""
-        info = self.executor.wait_ready(self.config.startup_timeout_s)
-        self.executor.reset()          # forget sequences a previous scheduler left behind
-        core = replace(self.config.core, block_size=info.block_size,
-                       max_model_len=min(self.config.core.max_model_len, info.max_model_len))
-        self.sched = Scheduler(core, int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Attach to the executor (waiting up to `timeout_s` for it), then build a fresh
+        engine core, or start the current one over on the executor's fresh pool."""
+        info = self.executor.wait_ready(timeout_s or self.config.startup_timeout_s)
+        # Take the executor over (its sequences from a previous owner are dropped), unless
+        # another scheduler owns it: then nothing here touches it.
+        reply = self.executor.reset(owner=self.config.name)
+        if not reply.fence:
+            raise ExecutorTaken(f"executor {self.config.executor} is owned by the live "
+                                f"scheduler {reply.holder!r}; standing by")
+        self.fence, self.instance = reply.fence, info.instance_id
+        self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+        if self.sched is None:
+            core = replace(self.config.core, block_size=info.block_size,
+                           max_model_len=min(self.config.core.max_model_len,
+                                         info.max_model_len))
+            self.sched = Scheduler(core, *self.pool)
+        elif (info.block_size != self.sched.block_size
+              or info.max_model_len < self.sched.config.max_model_len):
+            raise RuntimeError(f"the executor came back with another shape (block size "
+                               f"{info.block_size}, max_model_len {info.max_model_len}); "
+                               f"restart the scheduler")
+        else:
+            self.sched.recompute_all(*self.pool)
         if self.metrics is None:
             self.metrics = SchedulerMetrics(info.model, lambda: self.sched.stats())
             if self.config.metrics_port:
                 from prometheus_client import start_http_server
                 start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
                                   registry=self.metrics.registry)
-        for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
-            if sock is not None:
-                sock.close()
-        self.plan_socks = []
+        self._close_sockets()
         for ep in info.plan_endpoints:
             s = self.zmq.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
             self.plan_socks.append(s)
-        self.result_sock = self.zmq.socket(zmq.PULL)
+        self.result_sock = self.zmq.socket(zmq.DEALER)
         self.result_sock.setsockopt(zmq.LINGER, 0)
+        self.result_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.result_sock.setsockopt(zmq.IDENTITY, owner_identity(self.config.name, self.fence))
         self.result_sock.connect(info.result_endpoint)
         log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
                  info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
 
+    def _close_sockets(self) -> None:
+        """Close the data-plane sockets (they would reconnect to whatever binds there)."""
+        for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
+            if sock is not None:
+                sock.close()
+        self.plan_socks, self.result_sock = [], None
+
     # ------------------------------------------------------------ main loop
-    def serve(self) -> None:
-        self.connect()
+    def serve(self) -> int:
+        """Run until stopped; the exit status (3: another scheduler fenced this one)."""
+        self.link.sync_clock()
+        while True:
+            try:
+                self.connect()
+                break
+            except ExecutorTaken as exc:       # a standby: it takes over when the owner dies
+                log.warning("%s", exc)
+                self.degraded = str(exc)
+                self._beat(force=True)
+                time.sleep(1.0)
+        self.degraded = None
         # NOTE: the hot loop allocates many short-lived objects; long-lived start-up state
         # is frozen out of the collector and young collections run less often.
         gc.collect()
@@ -143,9 +201,16 @@ class SchedulerService:
         self._beat(force=True)
         while not self._stop:
             try:
-                self._iterate()
-            except ExecutorLost as exc:
-                self._recover(str(exc))
+                try:
+                    self._iterate()
+                except ExecutorLost as exc:
+                    self._recover(str(exc), executor_alive=False)
+            except ExecutorTaken as exc:
+                # Another scheduler owns the executor now: publish nothing more. What this
+                # one held is pending in Redis under its name; the owner takes it over once
+                # this heartbeat is stale, and continues each request from its stream.
+                log.critical("fenced, stopping without publishing: %s", exc)
+                return 3
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -159,6 +224,7 @@ class SchedulerService:
             self._redis_round(block_ms=0)
         except redis.RedisError:
             pass
+        return 0
 
     def _iterate(self) -> None:
         if time.monotonic() > self._next_reclaim:
@@ -166,61 +232,80 @@ class SchedulerService:
             self._reclaim_pending()
         plan = self.sched.schedule()
         if plan is None:
+            # Idle: no plan renews the lease, and a restarted executor goes unnoticed.
+            if time.monotonic() - self._last_renew >= 1.0 and not self._executor_ok():
+                raise ExecutorLost(f"executor {self.config.executor} stopped answering")
             self._redis_round(block_ms=500)
             self._apply_inbox()
             return
         self._note_scheduled(plan)
+        plan.fence = self.fence
+        self.plan = plan
         data = encode(plan)
         for sock in self.plan_socks:
             sock.send(data, copy=False)
         self._redis_round(block_ms=0)
         result = self._recv_result(plan)
-        self._emit(self.sched.update(plan, result))    # a failed step fails its requests
-        if result.error is not None and not self.executor.is_alive(timeout=1.0):
-            raise ExecutorLost(result.error)
+        error = result_error(plan, result)
+        if error is not None:
+            # The KV state of what the step ran is unknown: start over by recompute, and
+            # end only the requests of this step that have used up their retries. (A plan
+            # refused as fenced: _executor_ok raises when another scheduler owns it.)
+            self._recover(error, executor_alive=self._executor_ok())
+            return
+        self.plan = None
+        self._emit(self.sched.update(plan, result))
         self._apply_inbox()
 
     def stop(self) -> None:
         self._stop = True
 
     # ------------------------------------------------------------ failures
-    def _recover(self, reason: str) -> None:
-        """The executor died: end what it was running with an error, keep the rest queued.
-
-        Requests that already streamed tokens cannot be resumed invisibly (their KV cache
-        died with the executor), so they end with finish_reason "error". Requests that had
-        not produced a token are re-admitted into a fresh core once an executor is back.
+    def _recover(self, reason: str, executor_alive: bool) -> None:
+        """The executor died, or a step failed: keep every request, and once an executor
+        answers again (the same one after a failed step, after a Reset) run them all again
+        by recompute from their prompt and the tokens they have already streamed, so their
+        streams simply continue. The requests of the step in flight count one loss each; a
+        request lost more than max_step_retries times ends with an error.
         """
-        log.error("executor lost (%s): failing started requests, waiting for it to return", reason)
-        self.degraded = f"executor lost: {reason}"
+        log.error("step failed (%s); executor %s: recomputing every request", reason,
+                  "alive" if executor_alive else "lost, waiting for it to return")
+        self.degraded = None if executor_alive else f"executor lost: {reason}"
         self._beat(force=True)                                       # /health: degraded
-        requeue = []
-        started = []
-        for group in self.requests.values():
-            if group.first_output_sent:
-                started.append(group)
-            else:
-                requeue.append((group.entry_id, group.request))
-        self.requests = {}
-        for group in started:
-            self.pending_outputs.append(_ended(
-                group.request, "error", f"the executor failed while running this request "
-                f"({reason}); retry it", 503))
-            self.to_ack.append(group.entry_id)
+        self._fail_culprits(reason)
         self._flush_outputs()
+        self._close_sockets()
         while not self._stop:
             try:
-                self.connect()
+                self.connect(timeout_s=2.0)
                 break
+            except ExecutorTaken:
+                raise
             except Exception as exc:  # timeouts and gRPC errors while it restarts
+                self.degraded = f"executor lost: {reason}"
                 log.warning("executor not back yet: %s", exc)
                 self._beat()
-                time.sleep(0.5)
-        self.inbox = requeue + self.inbox
-        self._apply_inbox()
         self.degraded = None
         self._beat(force=True)
-        log.info("executor is back; %d queued requests re-admitted", len(requeue))
+        log.info("executor is back; %d requests continue by recompute", len(self.requests))
+
+    def _fail_culprits(self, reason: str) -> None:
+        """Count a loss against each request of the plan in flight; end those over the
+        limit with an error (their final output says why)."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        rows = set(plan.seq_ids)
+        for group in list(self.requests.values()):
+            if not any(seq.seq_id in rows for seq in group.seqs):
+                continue
+            lost = self.losses[group.request_id] = self.losses.get(group.request_id, 0) + 1
+            if lost > self.config.max_step_retries:
+                out = self.sched.abort_request(group.request_id, "error")
+                out.error = (f"the model step failed {lost} times while running this "
+                             f"request: {reason}")
+                out.error_code = 500
+                self._emit([out])
 
     def _flush_outputs(self) -> None:
         if self.pending_outputs or self.to_ack:
@@ -229,36 +314,39 @@ class SchedulerService:
     def _reclaim_pending(self, include_self: bool = False) -> None:
         """Take over requests read by this name before a restart, or by a dead scheduler.
 
-        A request that had already streamed output ends with an explicit error (its KV
-        state is gone); one that never started is simply run here.
+        A request that had already streamed output continues from there: it is admitted
+        with the tokens its stream holds and recomputes them (see _apply_inbox), so its
+        client sees one unbroken stream. One whose final output was published is only
+        acknowledged.
         """
-        dead = self.link.dead_schedulers(time.time())
+        dead = self.link.dead_schedulers(self.link.now())
         for name in ([self.config.name] if include_self else []) + dead:
             inbound = self.link.take_pending(name)
             if not inbound.requests and not inbound.malformed:
                 continue
-            self.to_ack += inbound.malformed
+            self._take(inbound)
             started = 0
             for eid, req in inbound.requests:
-                if self.link.has_output(req.request_id):
-                    started += 1
-                    self.pending_outputs.append(_ended(
-                        req, "error", "the scheduler running this request stopped; retry it",
-                        503))
+                tokens, ended, finished = self.link.published(req.request_id)
+                if finished:
+                    self.inbox.remove((eid, req))
                     self.to_ack.append(eid)
-                else:
-                    self.inbox.append((eid, req))
-            log.warning("reclaimed %d pending requests of %s (%d had started and were failed)",
-                        len(inbound.requests), name, started)
+                elif tokens or ended:
+                    started += 1
+                    self.resume[req.request_id] = (tokens, ended)
+            log.warning("reclaimed %d pending requests of %s (%d continue where their "
+                        "stream stopped)", len(inbound.requests), name, started)
         self._flush_outputs()
 
     def _recv_result(self, plan: StepPlan) -> StepResult:
         """The result answering `plan`. A result of another step is stale and dropped, except
         a failure with no step id (the executor could not read the plan in flight)."""
         deadline_check = time.monotonic() + self.config.executor_timeout_s
+        deadline = time.monotonic() + self.config.step_timeout_s
         while True:
             if self.result_sock.poll(100):
                 result = decode(self.result_sock.recv(), StepResult)
+                self._last_contact = time.monotonic()
                 if result.step_id == plan.step_id:
                     return result
                 if result.error is not None and result.step_id < 0:
@@ -266,11 +354,29 @@ class SchedulerService:
                 log.warning("discarding result of step %d (waiting for %d)%s", result.step_id,
                             plan.step_id, f": {result.error}" if result.error else "")
                 continue
+            if time.monotonic() > deadline:
+                raise ExecutorLost(f"step {plan.step_id} ran past the step deadline "
+                                   f"({self.config.step_timeout_s:g} s)")
             if time.monotonic() > deadline_check:
                 # A long forward is fine as long as the executor still answers health checks.
-                if not self.executor.is_alive(timeout=1.0):
+                if not self._executor_ok():
                     raise ExecutorLost(f"executor {self.config.executor} stopped answering")
                 deadline_check = time.monotonic() + self.config.executor_timeout_s
+
+    def _executor_ok(self) -> bool:
+        """Health of the executor, renewing this owner's lease. Raises ExecutorTaken when
+        another scheduler has taken it over (its token is not ours any more)."""
+        try:
+            reply = self.executor.health(owner=self.config.name)
+        except grpc.RpcError:
+            return False
+        if reply.instance_id != self.instance:
+            return False                # another executor there: this one is lost
+        if reply.fence != self.fence:
+            raise ExecutorTaken(f"fenced: the executor's token is {reply.fence}, not "
+                                f"{self.fence}: another scheduler took it over")
+        self._last_renew = self._last_contact = time.monotonic()
+        return reply.ok
 
     def _note_scheduled(self, plan: StepPlan) -> None:
         now = time.time()
@@ -287,6 +393,9 @@ class SchedulerService:
         If Redis is unreachable, nothing is lost: outputs and acks stay queued in memory
         and go out in the first round that succeeds.
         """
+        if (self.pending_outputs and self.instance
+                and time.monotonic() - self._last_contact > OWNER_LEASE_S / 2):
+            self._executor_ok()                   # raises ExecutorTaken when fenced
         outputs = list(self.pending_outputs)
         acks = list(self.to_ack)
         want = self._read_count() if read else 0
@@ -308,6 +417,9 @@ class SchedulerService:
         self.abort_inbox += inbound.aborts
         self.inbox += inbound.requests
         self.to_ack += inbound.malformed
+        for request_id, why in inbound.refused:
+            self.pending_outputs.append(RequestOutput(request_id, [], finished=True,
+                                                      error=why, error_code=400))
 
     def _read_count(self) -> int:
         held = len(self.requests) + len(self.inbox)
@@ -324,7 +436,7 @@ class SchedulerService:
         if not (force or metrics is not None or now - self._last_beat >= 1.0):
             return None
         self._last_beat = now
-        return Heartbeat(now, self.degraded, metrics)
+        return Heartbeat(self.link.now(), self.degraded, metrics)
 
     def _beat(self, force: bool = False) -> None:
         beat = self._heartbeat(force)
@@ -357,6 +469,12 @@ class SchedulerService:
                 self.to_ack.append(eid)
                 continue
             group = self.sched.groups[req.request_id]
+            if req.request_id in self.resume:
+                self._continue(group, *self.resume.pop(req.request_id))
+                if not group.seqs:                # every choice had ended: only the end
+                    self._emit([self.sched.abort_request(req.request_id, "stop")])
+                    self.to_ack.append(eid)
+                    continue
             group.entry_id = eid
             group.arrival_time = req.arrival_time or now
             self.requests[req.request_id] = group
@@ -364,6 +482,21 @@ class SchedulerService:
         if len(self.recent_aborts) > 10_000:
             cutoff = now - 600
             self.recent_aborts = {k: v for k, v in self.recent_aborts.items() if v > cutoff}
+
+    @staticmethod
+    def _continue(group: SequenceGroup, tokens: dict[int, list[int]], ended: set[int]) -> None:
+        """A request taken over from a scheduler that died: its seqs start from the tokens
+        their stream already holds (recomputed with the prompt, as after a preemption), and
+        the choices that ended are not run again. Beams stream nothing before they end, so
+        a beam search starts over."""
+        if group.is_beam:
+            return
+        for seq in list(group.seqs):
+            if seq.sample_index in ended:
+                group.seqs.remove(seq)
+            else:
+                seq.token_ids.extend(tokens.get(seq.sample_index, ()))
+        group.first_output_sent = True
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Queue outputs for the next round; observe the request timeline; an ended request's
@@ -377,6 +510,7 @@ class SchedulerService:
                 continue
             if out.finished:
                 self.to_ack.append(group.entry_id)
+                self.losses.pop(out.request_id, None)
                 if out.error is None:
                     self.metrics.e2e.observe(max(0.0, now - group.arrival_time))
             new = sum(len(s.token_ids) for s in out.seqs)
@@ -392,8 +526,8 @@ class SchedulerService:
             group.last_token_at = now
 
 
-def run(config: SchedulerServiceConfig) -> None:
+def run(config: SchedulerServiceConfig) -> int:
     service = SchedulerService(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
-    service.serve()
+    return service.serve()

@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 
-from shared.control import ExecutorClient
+from shared.control import ExecutorClient, owner_identity
 from shared.messages import SamplingParams, StepPlan, StepResult
 from shared.wire import decode, encode
 from services.launcher import free_port, free_ports
@@ -27,6 +27,7 @@ from tests.executor.plans import PlanBuilder
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK, GPU_BLOCKS, BUDGET, NEW = 4, 64, 24, 12
+OWNER = "tp-test"          # the scheduler this test plays (it takes the executor over)
 PROMPTS = [[5, 17, 33, 101, 7, 64, 9, 250, 3, 44, 12], [1, 2, 3],
            [200, 199, 198, 7, 7, 7, 7, 30, 31, 32, 90, 91, 92, 93, 94, 95, 96], [42]]
 
@@ -54,18 +55,21 @@ class RankGroup:
                             "the executor ranks did not come up in 300 s")
             time.sleep(0.2)
         self.info = self.client.describe()
+        self.fence = self.client.reset(owner=OWNER).fence     # this test owns the group
         ctx = zmq.Context.instance()
         for ep in self.info.plan_endpoints:
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
             self.plans.append(s)
-        self.results = ctx.socket(zmq.PULL)
+        self.results = ctx.socket(zmq.DEALER)
         self.results.setsockopt(zmq.LINGER, 0)
+        self.results.setsockopt(zmq.IDENTITY, owner_identity(OWNER, self.fence))
         self.results.setsockopt(zmq.RCVTIMEO, 120_000)
         self.results.connect(self.info.result_endpoint)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        plan.fence = self.fence
         data = encode(plan)
         for s in self.plans:
             s.send(data)
@@ -123,7 +127,7 @@ def test_tp2_tiny_llama_equals_tp1(tiny8):
         b = PlanBuilder(GPU_BLOCKS, 16, BLOCK, BUDGET)
         b.add(7, PROMPTS[0], GREEDY, 3)
         b.apply(group.execute(b.next_plan()))
-        assert group.client.reset().dropped_seqs == 1
+        assert group.client.reset(owner=OWNER).dropped_seqs == 1
         for r in (0, 1):
             h = ExecutorClient(f"127.0.0.1:{group.grpc + r}").health()
             assert h.ok and h.live_seqs == 0, (r, h)

@@ -1,0 +1,126 @@
+"""A crash is invisible to the client, under `pagedserve serve` as a user starts it.
+
+kill -9 of the executor or of the scheduler while requests stream and others queue: `serve`
+restarts the service, every request completes, and greedy output is token-identical to the
+same requests on the same stack with no crash. kill -9 of its Redis: requests may fail fast
+(503) while it is down, none hangs, and the stack serves again on its own. The 16 + 16
+version of these runs is loadtest/bench_crash.py (figures in docs/reliability.md)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import REPO
+from tests.serve_stack import SERVICES, Serve
+from tests.test_faults import MODEL, Outcome, launch, stream, wait_until
+
+RUNNING = 4                      # --max-num-seqs: as many stream while as many queue
+PROMPTS = [f"Story number {i}: once upon a time" for i in range(2 * RUNNING)]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def serve():
+    s = Serve("--max-num-seqs", str(RUNNING)).wait_healthy()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(serve):
+    outs, threads = launch(serve.base_url, PROMPTS, NEW_TOKENS)
+    for t in threads:
+        t.join(timeout=300)
+    assert all(o.error is None and o.usage_tokens == NEW_TOKENS for o in outs), \
+        [o.error for o in outs]
+    return [o.text for o in outs]
+
+
+def run_with_kill(serve: Serve, name: str) -> list[Outcome]:
+    outs, threads = launch(serve.base_url, PROMPTS, NEW_TOKENS)
+    # kill while RUNNING requests stream (a few tokens in) and the rest still queue
+    wait_until("two requests stream", lambda: sum(o.tokens >= 3 for o in outs) >= 2, 120)
+    before = serve.children()[name]
+    serve.kill(name)
+    wait_until(f"serve restarts the {name}",
+               lambda: serve.children().get(name, before) != before, 30)
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), f"a request hung after the {name} restart"
+    return outs
+
+
+@pytest.mark.parametrize("name", ["executor", "scheduler"])
+def test_kill_9_is_invisible_to_the_client(serve, reference, name):
+    outs = run_with_kill(serve, name)
+    assert [o.error for o in outs] == [None] * len(PROMPTS)
+    assert [o.usage_tokens for o in outs] == [NEW_TOKENS] * len(PROMPTS)
+    assert [o.finish for o in outs] == ["length"] * len(PROMPTS)
+    assert [o.text for o in outs] == reference
+    wait_until("/health is 200 again", lambda: serve.health()[0] == 200, 60)
+
+
+def test_redis_kill_9_fails_fast_then_serves_again(serve, reference):
+    outs, threads = launch(serve.base_url, PROMPTS, NEW_TOKENS)
+    wait_until("two requests stream", lambda: sum(o.tokens >= 3 for o in outs) >= 2, 120)
+    killed = time.monotonic()
+    serve.kill("redis")
+    # while it is down (serve restarts it after 1 s), a new request is refused at once
+    r = httpx.post(serve.base_url + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert r.status_code in (200, 503), r.text
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a request hung after Redis died"
+    for o, ref in zip(outs, reference):
+        # a request either completes correctly or ends with an explicit error
+        assert (o.error is None and o.text == ref) or o.error, (o.error, o.text)
+    wait_until("/health is 200 again", lambda: serve.health()[0] == 200, 60)
+    again = Outcome()
+    stream(serve.base_url, PROMPTS[0], NEW_TOKENS, again)
+    assert again.error is None and again.text == reference[0]
+    assert again.ended_at - killed < 120
+
+
+def test_an_explicit_port_in_use_is_refused_in_one_line_before_anything_starts():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        taken = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "services.launcher", "serve",
+                               "--grpc-port", str(taken), "--port", "1"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--grpc-port {taken}" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_sigterm_stops_every_child_and_no_secret_is_on_a_command_line():
+    s = Serve("--max-num-seqs", "2", env={"PAGEDSERVE_API_KEYS": "sk-secret-test"})
+    try:
+        s.wait_healthy()
+        children = s.children()
+        assert set(children) == set(SERVICES)
+        for pid in [s.proc.pid, *children.values()]:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert b"sk-secret-test" not in f.read()
+        r = httpx.get(s.base_url + "/v1/models", timeout=10)
+        assert r.status_code == 401             # the key reached the gateway all the same
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0
+        for pid in children.values():
+            assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"{pid} survived"
+    finally:
+        s.stop()
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
