@@ -35,6 +35,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
+from services.scheduler.snapshot import DashboardPublisher
 from shared.control import ExecutorClient
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
@@ -100,6 +101,7 @@ class SchedulerService:
         self._last_beat = 0.0
         self._last_metrics = 0.0
         self._next_reclaim = time.monotonic() + 5.0
+        self.dashboard = DashboardPublisher(self.link.redis, self.link.keys, config.name)
 
     # ------------------------------------------------------------ set-up
     def connect(self) -> None:
@@ -161,6 +163,7 @@ class SchedulerService:
             pass
 
     def _iterate(self) -> None:
+        self.dashboard.tick(self.sched)          # nothing unless a dashboard page is open
         if time.monotonic() > self._next_reclaim:
             self._next_reclaim = time.monotonic() + 5.0
             self._reclaim_pending()
