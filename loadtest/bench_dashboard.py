@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import signal
@@ -60,6 +61,12 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def snapshot_cost(num_blocks: int, reps: int = 20) -> tuple[float, int]:
     """(ms to build and encode one snapshot, its bytes) of a pool with about 3/4 of its
     blocks in use, in scattered runs, and a tenth of them shared."""
@@ -94,9 +101,11 @@ def main() -> None:
         "--zmq-port", str(free_ports(2)), "--device", "cpu", "--dtype", "float32",
         "--kv-cache-gib", str(args.kv_gib), "--log-level", "warning", "--max-queue", "100000"])
     walls: dict[bool, list[float]] = {False: [], True: []}
+    sched_cpu: dict[bool, float] = {False: 0.0, True: 0.0}
     snapshots_seen = 0
     with Stack(sargs) as stack:
         url = stack.start()
+        sched_pid = next(p.pid for name, p in stack.procs if name == "scheduler")
 
         async def batch() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=600,
@@ -113,7 +122,9 @@ def main() -> None:
                     reader = subprocess.Popen([sys.executable, "-c", READER, url],
                                               stdout=subprocess.PIPE, text=True)
                     time.sleep(1.5)      # the scheduler notices the watchers key within 1 s
+                cpu0 = cpu_seconds(sched_pid)
                 walls[open_page].append(asyncio.run(batch()))
+                sched_cpu[open_page] += cpu_seconds(sched_pid) - cpu0
                 if reader is not None:
                     reader.send_signal(signal.SIGTERM)
                     out, _ = reader.communicate(timeout=10)
@@ -124,7 +135,12 @@ def main() -> None:
     pair = statistics.median(n / o for n, o in zip(walls[False], walls[True]))
     ms, size = snapshot_cost(100_000)
     share = min(ms / 1000 * PUBLISH_HZ, 1 / MAX_SHARE)
+    # the scheduler process's CPU time per generated token: the loop's own cost, which the
+    # machine's other load changes much less than it changes wall time
+    us_tok = {k: 1e6 * v / (tokens * args.rounds) for k, v in sched_cpu.items()}
     out = {"open_over_none": tok_s[True] / tok_s[False], "paired_median": pair,
+           "scheduler_cpu_us_per_token_none": us_tok[False],
+           "scheduler_cpu_us_per_token_open": us_tok[True],
            "none_tok_s": tok_s[False],
            "open_tok_s": tok_s[True], "rounds": args.rounds, "requests": args.requests,
            "output_tokens": args.output_tokens, "snapshots_received": snapshots_seen,
@@ -141,6 +157,8 @@ def main() -> None:
           f"{snapshots_seen} snapshots received)")
     print(f"open / none throughput: {out['open_over_none']:.3f} over all rounds; "
           f"{pair:.3f} median of the adjacent pairs")
+    print(f"scheduler CPU per generated token: {us_tok[False]:.0f} us without, "
+          f"{us_tok[True]:.0f} us with the dashboard open ({us_tok[True] / us_tok[False]:.3f}x)")
     print(f"one snapshot of a 100000-block pool: {ms:.1f} ms to build and encode, {size} bytes; "
           f"at most {100 * share:.1f}% of the scheduler loop while a page is open")
 

@@ -12,7 +12,7 @@
     GET  /dashboard, /dashboard/stream   the live KV block map (dashboard.py)
 
 Stateless: any replica can serve any request (or resume any stream). Bearer keys, when
-configured, guard /v1/* only. A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
+configured, guard /v1/* (and /dashboard, which checks them itself). A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
 becomes the request's id (`cmpl-<it>`, `chatcmpl-<it>`) and is echoed in the response's
 X-Request-Id header; without one the gateway makes a random id and sends that. Long
 prompts are tokenized on one dedicated thread so the event loop keeps streaming meanwhile.
