@@ -11,6 +11,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; }
+	@command -v chromium >/dev/null || { echo "installing chromium (apt; the dashboard's browser test)"; \
+	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build; pip reuses a local wheel where one is provided.

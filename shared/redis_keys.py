@@ -8,6 +8,8 @@
     {prefix}:schedulers        hash: scheduler name -> last heartbeat (unix seconds)
     {prefix}:metrics:{name}    string: that scheduler's Prometheus exposition text (short TTL)
     {prefix}:degraded          hash: scheduler name -> why it cannot serve now (absent: fine)
+    {prefix}:dash:watchers     string, short TTL: a dashboard page is open (shared/dashboard.py)
+    {prefix}:dash:snap:{name}  string: that scheduler's latest block-map snapshot (short TTL)
 
 A client resumes a stream with Last-Event-ID = the Redis entry id of the last event it saw.
 """
@@ -53,3 +55,10 @@ class RedisKeys:
     def metrics_pattern(self) -> str:
         """SCAN MATCH pattern over every scheduler's `metrics(name)` key."""
         return f"{self.prefix}:metrics:*"
+
+    @property
+    def dashboard_watchers(self) -> str:
+        return f"{self.prefix}:dash:watchers"
+
+    def dashboard(self, scheduler_name: str) -> str:
+        return f"{self.prefix}:dash:snap:{scheduler_name}"

@@ -9,9 +9,10 @@
     GET  /ping     200 while the process is up (liveness)
     GET  /metrics  Prometheus: the gateway's counters, then every scheduler's
     GET  /openapi.json
+    GET  /dashboard, /dashboard/stream   the live KV block map (dashboard.py)
 
 Stateless: any replica can serve any request (or resume any stream). Bearer keys, when
-configured, guard /v1/* only. A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
+configured, guard /v1/* (and /dashboard, which checks them itself). A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
 becomes the request's id (`cmpl-<it>`, `chatcmpl-<it>`) and is echoed in the response's
 X-Request-Id header; without one the gateway makes a random id and sends that. Long
 prompts are tokenized on one dedicated thread so the event loop keeps streaming meanwhile.
@@ -39,6 +40,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from services.gateway.config import GatewayConfig
+from services.gateway.dashboard import Dashboard
 from services.gateway.detokenizer import TokenVocab
 from services.gateway.follower import StreamFollower
 from services.gateway.metrics import ENDPOINTS, GatewayMetrics, merge_expositions
@@ -279,6 +281,7 @@ class Gateway:
             Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            *Dashboard(self.queue, self.config.api_keys).routes(),
         ]
 
 

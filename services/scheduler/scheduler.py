@@ -380,6 +380,7 @@ class Scheduler:
             self.running.remove(group)
         self.num_running_seqs -= group.max_num_seqs
         self.num_preemptions += 1
+        group.num_preemptions += 1
         self._preempted = True
         if mode == "swap":
             step.add_swap_out(group.seqs, bm.swap_out(group.seqs))

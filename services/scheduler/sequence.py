@@ -92,7 +92,7 @@ class SequenceGroup:
                  "prompt_len", "entry_id", "scheduled_at", "first_token_at", "last_token_at",
                  "seqs", "status", "forked", "max_num_seqs", "is_beam", "beam",
                  "num_cached_tokens", "prompt_logprobs", "first_output_sent",
-                 "next_sample_index", "stop_ids", "min_len", "max_len")
+                 "next_sample_index", "stop_ids", "min_len", "max_len", "num_preemptions")
 
     def __init__(self, request: GenerationRequest, sort_key: tuple) -> None:
         sp: SamplingParams = request.sampling
@@ -122,6 +122,7 @@ class SequenceGroup:
             [] if sp.prompt_logprobs is not None else None)
         self.first_output_sent = False
         self.next_sample_index = 0
+        self.num_preemptions = 0               # times swapped out or dropped to recompute
         # Finish rules, precomputed for the per-token path (lengths count prompt + output):
         self.stop_ids = _shared_stop_ids(sp.stop_token_ids)
         self.min_len = len(request.prompt_token_ids) + sp.min_tokens   # stop tokens count from here

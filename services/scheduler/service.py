@@ -39,6 +39,7 @@ from services.scheduler.outputs import result_error
 from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
+from services.scheduler.snapshot import DashboardPublisher
 from shared.control import OWNER_LEASE_S, ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
@@ -124,6 +125,7 @@ class SchedulerService:
         # request id -> (tokens already published per sample index, the indices that
         # ended): what a predecessor streamed of a request this scheduler takes over
         self.resume: dict[str, tuple[dict[int, list[int]], set[int]]] = {}
+        self.dashboard = DashboardPublisher(self.link.redis, self.link.keys, config.name)
 
     # ------------------------------------------------------------ set-up
     def connect(self, timeout_s: float | None = None) -> None:
@@ -227,6 +229,7 @@ class SchedulerService:
         return 0
 
     def _iterate(self) -> None:
+        self.dashboard.tick(self.sched)          # nothing unless a dashboard page is open
         if time.monotonic() > self._next_reclaim:
             self._next_reclaim = time.monotonic() + 5.0
             self._reclaim_pending()
