@@ -233,3 +233,20 @@ def test_a_second_scheduler_on_one_executor_stands_by_and_takes_over(cluster):
     assert [o.error for o in outs] == [None] * len(prompts)
     assert [o.text for o in outs] == [ref.text for ref in reference]
     wait_until("sched-b serves", lambda: r.hget(cluster.keys.degraded, "sched-b") is None, 30)
+
+
+def test_an_undecodable_request_entry_is_answered_with_an_error(cluster):
+    import msgpack
+
+    from shared.messages import RequestOutput
+    from shared.wire import WIRE_VERSION, decode
+    r = redis.Redis.from_url(cluster.redis_url)
+    # a request of a newer gateway: another wire version, its id still in the envelope
+    entry = msgpack.packb([WIRE_VERSION + 1, "GenerationRequest", "from-the-future", [1, 2]])
+    r.xadd(cluster.keys.requests, {MSG_FIELD: entry})
+    wait_until("an answer on its output stream", lambda: r.xlen(
+        cluster.keys.output("from-the-future")) > 0, 10)
+    _eid, fields = r.xrange(cluster.keys.output("from-the-future"))[0]
+    answer = decode(fields[MSG_FIELD], RequestOutput)
+    assert answer.finished and answer.error_code == 400
+    assert "cannot read this request" in answer.error
