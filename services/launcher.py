@@ -42,7 +42,7 @@ _COMMON = [
 _GATEWAY = [
     ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
     ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
-    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 (empty: open)"),
+    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 and /dashboard (empty: open)"),
     ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int,
      "unfinished requests (waiting or running, over all gateways) before 429"),
     ("--served-model-name", "PAGEDSERVE_SERVED_MODEL_NAME", None, "names",
