@@ -96,8 +96,9 @@ class Dashboard:
                     next_watch = now + 1.0
                     await self.queue.call(r.set(keys.dashboard_watchers, b"1",
                                                 ex=WATCHERS_TTL_S))
-                    beats, _ = await self.queue.scheduler_status()
-                    live = sorted(n for n, t in beats.items() if time.time() - t < LIVE_BEAT_S)
+                    # heartbeats and `now` both in the Redis server's clock
+                    beats, _degraded, redis_now = await self.queue.scheduler_status()
+                    live = sorted(n for n, t in beats.items() if redis_now - t < LIVE_BEAT_S)
                     if live != names:
                         names = live
                         out.append(b"event: replicas\ndata: " + json.dumps(names).encode()
