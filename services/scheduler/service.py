@@ -357,6 +357,12 @@ class SchedulerService:
                 log.warning("discarding result of step %d (waiting for %d)%s", result.step_id,
                             plan.step_id, f": {result.error}" if result.error else "")
                 continue
+            # A long forward (a big prefill, a loaded host) is not a dead scheduler: gateways
+            # end the streams of a scheduler whose heartbeat stops (scheduler_gone_s).
+            try:
+                self._beat()
+            except redis.RedisError:
+                pass            # the next Redis round after this step meets it
             if time.monotonic() > deadline:
                 raise ExecutorLost(f"step {plan.step_id} ran past the step deadline "
                                    f"({self.config.step_timeout_s:g} s)")
