@@ -7,7 +7,9 @@ Three candidates, each with its own packed weight layout, packed once at load:
     "onednn"   oneDNN's matmul (torch.ops.mkldnn._linear_pointwise)
 
 A candidate is *available* when this torch build and CPU can run it, and *correct* when it
-gives F.linear's result; only an available and correct one is ever used. Which correct one
+gives F.linear's result and gives each row the same bits whatever the number of rows (so a
+sequence's logits, and a seeded draw from them, do not change when other sequences join or
+leave the batch); only an available and correct one is ever used. Which correct one
 is fastest depends on the CPU, so the executor times them at start on the model's own
 weights (`pick_fp32_gemm`); docs/executor.md reports them by row count
 (loadtest/bench_cpu_gemm.py).
@@ -44,9 +46,20 @@ def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
         return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
     if gemm == "mkl":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
-        return packed, lambda x: torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
+        return packed, lambda x: mkl_linear(x, packed, w, b)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     return packed, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor,
+               b: torch.Tensor | None) -> torch.Tensor:
+    """MKL's packed sgemm. MKL's packed B layout does not depend on M, so any row count may use
+    a weight packed once. One row takes another kernel (a GEMV) whose sums round differently
+    from the GEMM of two or more rows, so a single row is run as two and the copy dropped:
+    a row then gets the same bits alone as in a batch."""
+    if x.shape[0] == 1:
+        return torch.ops.mkl._mkl_linear(x.expand(2, -1).contiguous(), packed, w, b, 2)[:1]
+    return torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
 
 
 def _probe(gemm: str) -> tuple[torch.Tensor, torch.Tensor, Callable]:
@@ -71,11 +84,13 @@ def gemm_available(gemm: str) -> bool:
 
 def gemm_correct(gemm: str) -> bool:
     """The (available) GEMM gives F.linear's result, also for row counts other than the one
-    it was packed for (MKL's packed layout is independent of M)."""
+    it was packed for, and a row's result does not depend on how many rows are multiplied
+    with it (batch invariance)."""
     w, b, run = _probe(gemm)
-    g = torch.Generator().manual_seed(1)
-    return all(torch.allclose(run(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-               for x in (torch.randn(m, 80, generator=g) for m in (1, 7, 300)))
+    x = torch.randn(300, 80, generator=torch.Generator().manual_seed(1))
+    full = run(x)
+    return torch.allclose(full, F.linear(x, w, b), atol=1e-4, rtol=1e-5) and all(
+        torch.equal(run(x[:m]), full[:m]) for m in (1, 2, 7, 64))
 
 
 def usable_gemms() -> list[str]:

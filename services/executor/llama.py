@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from services.executor import cpu_kernels
 from services.executor.attention import AttentionMetadata, paged_attention, write_kv
+from services.executor import cpu_gemm
 from services.executor.cpu_gemm import packed_gemm, pick_fp32_gemm
 from services.executor.parallel import ProcessGroup
 
@@ -150,9 +151,7 @@ class Linear:
         if self.gemm == "avx512":
             return cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         if self.gemm == "mkl":
-            # NOTE: the last argument is the M the weight was packed for; MKL's packed B
-            # layout does not depend on M (checked at pack time), so any M may use it.
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
+            return cpu_gemm.mkl_linear(x, self.packed, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,3 +105,38 @@ def test_a_gemm_that_computes_wrong_products_is_never_picked(monkeypatch, caplog
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "avx512")
     assert cpu_gemm.pick_fp32_gemm(torch.randn(64, 32)) is None
     assert "gives wrong products" in caplog.text
+
+
+def test_a_gemm_whose_rows_depend_on_the_row_count_is_not_correct(monkeypatch):
+    """Batch invariance is part of correctness: a GEMM that rounds one row differently when it
+    is alone (within F.linear's tolerance) is left out, since a seeded draw could then flip
+    when the batch shrinks."""
+    from services.executor import cpu_gemm
+
+    real = cpu_gemm.packed_gemm
+
+    def gemv_rounds_otherwise(gemm, w, b=None):
+        packed, run = real(gemm, w, b)
+        return packed, lambda x: run(x) * (1 + 1e-7) if x.shape[0] == 1 else run(x)
+
+    monkeypatch.setattr(cpu_gemm, "packed_gemm", gemv_rounds_otherwise)
+    assert not cpu_gemm.gemm_correct("avx512")
+
+
+@pytest.mark.parametrize("gemm", ["avx512", "mkl", "onednn"])
+def test_every_packed_gemm_gives_a_row_the_same_bits_alone_and_in_a_batch(gemm):
+    """Through the executor's own Linear, on a SmolLM2-sized projection (where MKL's one-row
+    kernel rounds otherwise than its GEMM): row i of a product of M rows is bit-identical for
+    every M, so a sequence's logits do not depend on who else is in the step."""
+    from services.executor import cpu_gemm
+    from services.executor.llama import Linear
+
+    if not cpu_gemm.gemm_available(gemm):
+        pytest.skip(f"{gemm} is not available in this torch build / CPU")
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(torch.randn(1536, 576, generator=g))
+    lin.packed, lin.gemm = cpu_gemm.packed_gemm(gemm, lin.weight)[0], gemm
+    x = torch.randn(64, 576, generator=g)
+    full = lin(x)
+    for m in (1, 2, 3, 17, 63):
+        assert torch.equal(lin(x[:m]), full[:m]), f"{gemm}: rows differ at M={m}"
