@@ -17,7 +17,7 @@ prefill chunks that stop short of their sequence's end.
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.grammar import allowed_mask
+from services.scheduler.constrained import add_bitmasks
 from services.scheduler.sequence import Sequence
 from shared.messages import NewSeq, StepPlan
 
@@ -139,19 +139,6 @@ class PlanBuilder:
                         self.finished_seq_ids)
         add_bitmasks(plan, seqs)
         return plan, seqs
-
-
-def add_bitmasks(plan: StepPlan, seqs: list[Sequence]) -> None:
-    """The allowed-token bitmask of every constrained row that samples this step (its
-    matcher has seen every output token so far: masks are computed here, when the plan is
-    built, and the sampled tokens advance the matchers in outputs.append_token)."""
-    rows = [r for r in range(plan.num_sampling_rows) if seqs[r].matcher is not None]
-    if not rows:
-        return
-    masks = [allowed_mask(seqs[r].matcher, seqs[r].group.stop_ids) for r in rows]
-    plan.bitmask_rows = rows
-    plan.bitmask_words = len(masks[0]) // 4
-    plan.token_bitmask = b"".join(masks)
 
 
 def _samples_last(row: tuple) -> bool:

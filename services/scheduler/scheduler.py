@@ -30,7 +30,8 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.grammar import GrammarError, Grammars
+from services.scheduler.constrained import attach_matchers
+from services.scheduler.grammar import Grammars
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.stats import SchedulerStats, scheduler_stats
@@ -97,25 +98,14 @@ class Scheduler:
         if req.request_id in self.groups:
             return
         check_admission(req, cfg, self.block_manager)
-        matcher = None
-        if sp.constraint is not None:
-            if sp.beam_width > 0:
-                raise AdmissionError("beam search cannot follow an output constraint "
-                                     "(response_format, structured_outputs, tools): drop one")
-            try:
-                matcher = self.grammars.matcher(sp.constraint)
-            except GrammarError as exc:
-                raise AdmissionError(str(exc)) from None
         order = self._next_order
         self._next_order += 1
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
-        for i in range(1 if group.is_beam else sp.n):
-            seq = self.new_seq(group, list(req.prompt_token_ids), L)
-            if matcher is not None:      # each sample follows the grammar on its own
-                seq.matcher = matcher if i == 0 else matcher.deep_copy()
-            group.seqs.append(seq)
+        for _ in range(1 if group.is_beam else sp.n):
+            group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
+        attach_matchers(self.grammars, group)
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group
@@ -402,10 +392,10 @@ class Scheduler:
         self.num_waiting += 1
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's result (outputs.py). Returns one RequestOutput per request with news
-        (new tokens, a finish). A step that failed (its `error`, or a result that does not fit
-        the plan) fails the requests it ran or moved, and only those."""
+    def update(self, plan: StepPlan, result: StepResult) -> outputs.StepOutputs:
+        """Apply a step's result (outputs.py). Returns the news of every request that has
+        some (new tokens, a finish), columnar. A step that failed (its `error`, or a result
+        that does not fit the plan) fails the requests it ran or moved, and only those."""
         if self._inflight is None or self._inflight[0] != plan.step_id:
             raise ValueError(f"update() for step {plan.step_id}, but the plan in flight is "
                              f"{self._inflight[0] if self._inflight else None}")

@@ -237,7 +237,7 @@ class SchedulerService:
             self.recovery.recover(plan, error, executor_alive=self.owner.check())
             return
         self.plan = None
-        self.emit(self.sched.update(plan, result))
+        self.emit(self.sched.update(plan, result).request_outputs())
         self._apply_inbox()
 
     def stop(self) -> None:
