@@ -50,31 +50,11 @@ class BlockManager:
         self.swapped_in_blocks_total = 0
 
     # ------------------------------------------------------------ figures
+    # The pools' own figures (used, cached, filled slots, references) are read from `gpu`
+    # and `cpu` directly (stats.py); this one is the scheduler's every-step question.
     @property
     def num_free_blocks(self) -> int:
         return self.gpu.num_free
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.gpu.num_used
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache (referenced or free-but-revivable)."""
-        return len(self.gpu.cached)
-
-    @property
-    def num_allocated_slots(self) -> int:
-        return self.gpu.num_used * self.block_size
-
-    @property
-    def num_filled_slots(self) -> int:
-        return self.gpu.num_filled_slots
-
-    @property
-    def num_logical_blocks(self) -> int:
-        """Block-table entries over all sequences: the blocks needed if nothing were shared."""
-        return self.gpu.num_refs
 
     # ------------------------------------------------------------ counting
     def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
@@ -177,9 +157,11 @@ class BlockManager:
         end = start + num_new_tokens
         j = start // bs
         last = (end - 1) // bs
-        if last == j < len(table) and gpu.ref_count[table[j]] == 1:
-            gpu.fill(table[j], end - j * bs)     # most calls: a decode into a block it owns
-            return _NO_COPIES
+        if last == j < len(table):
+            b = table[j]
+            if gpu.ref_count[b] == 1:
+                gpu.fill(b, end - j * bs)        # most calls: a decode into a block it owns
+                return _NO_COPIES
         grow = last + 1 - len(table)
         shared = j < len(table) and gpu.ref_count[table[j]] > 1
         if grow + shared > gpu.free.num_free:

@@ -91,6 +91,8 @@ class PlanBuilder:
         tokens = seq.token_ids
         table = seq.block_table
         sent = seq.num_tokens_sent
+        n = len(tokens)
+        num_blocks = len(table)
         if sent < 0:
             g = seq.group
             self.new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
@@ -100,10 +102,10 @@ class PlanBuilder:
             synced = seq.num_blocks_synced
             append = tokens[sent:]
             keep = -1 if synced == seq.num_blocks_sent else synced
-            blocks = table[synced:] if synced < len(table) else _NO_BLOCKS
-        n = seq.num_tokens_sent = len(tokens)
-        seq.num_blocks_sent = seq.num_blocks_synced = len(table)
-        if num_tokens == 1 and end == n:
+            blocks = table[synced:] if synced < num_blocks else _NO_BLOCKS
+        seq.num_tokens_sent = n
+        seq.num_blocks_sent = seq.num_blocks_synced = num_blocks
+        if end == n and num_tokens == 1:
             self.decode_rows.append((seq, seq.seq_id, c, append, keep, blocks))
         else:
             self.other_rows.append((end == n, seq, seq.seq_id, c, num_tokens, append, keep,
