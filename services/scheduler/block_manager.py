@@ -156,7 +156,7 @@ class BlockManager:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         j = start // bs
-        last = (end - 1) // bs
+        last = j if num_new_tokens == 1 else (end - 1) // bs
         if last == j < len(table):
             b = table[j]
             if gpu.ref_count[b] == 1:

@@ -11,9 +11,10 @@ Each step spends a token budget (max_num_batched_tokens) over, in this order:
                      preempted (recompute) to admit a waiting request that does not fit
 
 Prefill chunks and decodes share a step (chunked prefill). This module is the policy: the
-queues, the admission order and the choice of victims. Block counting is the block manager's
-(block_manager.py), the plan's rows and the executors' mirror the plan builder's (plan.py),
-and applying a result (finish rules, beams, RequestOutputs) is outputs.py's.
+queues, the admission order and the choice of victims (priority.py: those of a more important
+waiting request). Block counting is the block manager's (block_manager.py), the plan's rows
+and the executors' mirror the plan builder's (plan.py), applying a result (finish rules,
+beams, the step's news) outputs.py's, and a grammar's hooks constrained.py's.
 
 Parallel sampling (n > 1) computes the prompt once: seq 0 prefills all but the last prompt
 token, then n seqs fork from it, sharing its blocks; each computes the last prompt token
