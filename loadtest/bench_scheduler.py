@@ -26,6 +26,14 @@ Two garbage-collector settings, both reported (--gc picks one):
     default   the interpreter's defaults (young collections every 700 allocations): what a
               program embedding the Scheduler without tuning gets; `step_ms_default_gc`
 
+Instructions per sequence per step, free of timing noise: run --untimed under Valgrind
+twice, with two step counts, and divide the difference (set-up and prefill cancel out; the
+stand-in executor's result adds a few instructions per sequence):
+
+    for s in 10 40; do valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        .venv/bin/python loadtest/bench_scheduler.py --untimed --gc service \
+        --sizes 256 --steps $s 2>&1 | grep Collected; done   # (b - a) / 30 / 256
+
 NOTE: they differ most at 1,024 seqs. With the defaults, each step's plan and outputs (a few
 objects per seq) outlive two young collections, are promoted to the old generation, and set
 off a full collection every ~10 steps that walks every live object; the young collections of
@@ -58,7 +66,7 @@ def fake_result(plan, token: int = 7) -> StepResult:
 
 
 def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
-          gc_freeze: bool = False) -> dict:
+          gc_freeze: bool = False, untimed: bool = False) -> dict:
     # A budget that decodes every running seq and still prefills 2,048 tokens per step, so
     # that the first seqs do not outgrow the pool while the last ones are prefilled.
     cfg = SchedulerConfig(block_size=block_size, max_num_seqs=num_seqs,
@@ -89,6 +97,11 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
             break
         sched.update(plan, fake_result(plan))
     gc.collect()
+    if untimed:
+        for _ in range(steps):
+            plan = sched.schedule()
+            sched.update(plan, fake_result(plan))
+        return {}
     times = []
     wire = []
     publish = []
@@ -128,9 +141,16 @@ def main() -> None:
     ap.add_argument("--gc", choices=("default", "service", "both"), default="both",
                     help="garbage-collector settings to measure under (see above)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--untimed", action="store_true",
+                    help="only run the decode steps of the first size, once, untimed: for an "
+                         "instruction counter (see the module docstring)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     modes = ("service", "default") if args.gc == "both" else (args.gc,)
+    if args.untimed:
+        bench(sizes[0], args.steps, args.block_size, gc_freeze=modes[0] == "service",
+              untimed=True)
+        return
     res: dict[str, dict[int, dict]] = {m: {} for m in modes}
     for n in sizes:
         for r in range(args.repeats):      # the modes interleaved: the same machine load
