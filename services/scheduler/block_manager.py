@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from services.scheduler.block_pool import NO_PARENT, BlockPool, CpuBlockPool, hash_block_tokens
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # NOTE: nearly every allocation is a decode writing into a block its seq owns: no copy. They
@@ -420,3 +421,17 @@ class ContiguousBlockManager(BlockManager):
             self.gpu.fill(dst, self.gpu.num_tokens[src])
             pairs.append([src, dst])
         return pairs
+
+
+def block_manager_for(config: SchedulerConfig, num_gpu_blocks: int,
+                      num_cpu_blocks: int) -> BlockManager:
+    """The block manager `config` asks for, over pools of these sizes: the paged one, or
+    the contiguous baseline. Raises ValueError when there is no GPU block at all."""
+    if num_gpu_blocks < 1:
+        raise ValueError("the executor reported no GPU KV blocks: give it more memory")
+    num_cpu_blocks = max(0, num_cpu_blocks)
+    if config.contiguous:
+        return ContiguousBlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
+                                      config.max_blocks_per_seq)
+    return BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
+                        config.enable_prefix_caching)

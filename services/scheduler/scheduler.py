@@ -29,7 +29,7 @@ from operator import attrgetter
 from services.scheduler import outputs
 from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
-from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
+from services.scheduler.block_manager import BlockManager, block_manager_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.constrained import attach_matchers
 from services.scheduler.grammar import Grammars
@@ -431,16 +431,9 @@ class Scheduler:
         self.num_waiting = len(self.waiting)
 
     def _new_pool(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        if num_gpu_blocks < 1:
-            raise ValueError("the executor reported no GPU KV blocks: give it more memory")
-        cfg = self.config
-        if cfg.contiguous:
-            self.block_manager: BlockManager = ContiguousBlockManager(
-                num_gpu_blocks, max(0, num_cpu_blocks), cfg.block_size, cfg.max_blocks_per_seq)
-        else:
-            self.block_manager = BlockManager(num_gpu_blocks, max(0, num_cpu_blocks),
-                                              cfg.block_size, cfg.enable_prefix_caching)
-        self.watermark_blocks = int(cfg.watermark * num_gpu_blocks)
+        self.block_manager: BlockManager = block_manager_for(self.config, num_gpu_blocks,
+                                                             num_cpu_blocks)
+        self.watermark_blocks = int(self.config.watermark * num_gpu_blocks)
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> SchedulerStats:
