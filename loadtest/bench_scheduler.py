@@ -2,10 +2,15 @@
 
 N requests (ShareGPT-like prompts, outputs long enough not to finish) are prefilled, then
 the benchmark times decode steps with all N sequences running. Building the StepResult (the
-executor's job) is outside the timed region; everything the scheduler does per step is in it:
-choosing the batch, block growth, the plan's diffs, applying sampled tokens, the outputs.
-`wire_ms` (in --json) is timed apart: what the scheduler service adds per step on the
-executor's wire, encoding the plan and decoding the result (shared/wire.py).
+executor's job) is outside the timed region; everything the engine core does per step is in
+it: choosing the batch, block growth, the plan's diffs, applying sampled tokens, the step's
+news (StepOutputs, columnar). Two figures are timed apart, what the scheduler service adds
+per step around the core (in --json):
+
+    wire_ms      the executor's wire: encoding the plan, decoding the result (shared/wire.py)
+    publish_ms   the outputs' edge: building each request's RequestOutput from the step's
+                 columns and encoding it for its output stream (as service.py and
+                 redis_link.py do before the XADD)
 
     python loadtest/bench_scheduler.py [--sizes 64,256,1024] [--steps 300] [--repeats 3]
                                        [--gc default|service|both] [--json]
@@ -20,6 +25,14 @@ Two garbage-collector settings, both reported (--gc picks one):
               pagedserve runs it; `step_ms` in --json
     default   the interpreter's defaults (young collections every 700 allocations): what a
               program embedding the Scheduler without tuning gets; `step_ms_default_gc`
+
+Instructions per sequence per step, free of timing noise: run --untimed under Valgrind
+twice, with two step counts, and divide the difference (set-up and prefill cancel out; the
+stand-in executor's result adds a few instructions per sequence):
+
+    for s in 10 40; do valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        .venv/bin/python loadtest/bench_scheduler.py --untimed --gc service \
+        --sizes 256 --steps $s 2>&1 | grep Collected; done   # (b - a) / 30 / 256
 
 NOTE: they differ most at 1,024 seqs. With the defaults, each step's plan and outputs (a few
 objects per seq) outlive two young collections, are promoted to the old generation, and set
@@ -53,7 +66,7 @@ def fake_result(plan, token: int = 7) -> StepResult:
 
 
 def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
-          gc_freeze: bool = False) -> dict:
+          gc_freeze: bool = False, untimed: bool = False) -> dict:
     # A budget that decodes every running seq and still prefills 2,048 tokens per step, so
     # that the first seqs do not outgrow the pool while the last ones are prefilled.
     cfg = SchedulerConfig(block_size=block_size, max_num_seqs=num_seqs,
@@ -84,8 +97,14 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
             break
         sched.update(plan, fake_result(plan))
     gc.collect()
+    if untimed:
+        for _ in range(steps):
+            plan = sched.schedule()
+            sched.update(plan, fake_result(plan))
+        return {}
     times = []
     wire = []
+    publish = []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
@@ -97,14 +116,18 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         t3 = time.perf_counter()
         outs = sched.update(plan, result)
         t4 = time.perf_counter()
-        assert len(plan.seq_ids) == num_seqs and len(outs) == num_seqs
+        published = [encode(out) for out in outs.request_outputs()]
+        t5 = time.perf_counter()
+        assert len(plan.seq_ids) == num_seqs and len(published) == num_seqs
         times.append((t1 - t0) + (t4 - t3))
         wire.append(t3 - t2)
+        publish.append(t5 - t4)
     if gc_freeze:
         gc.unfreeze()
         gc.set_threshold(*old_threshold)
     return {"median_ms": statistics.median(times) * 1e3,
             "wire_ms": statistics.median(wire) * 1e3,
+            "publish_ms": statistics.median(publish) * 1e3,
             "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
             "per_seq_us": statistics.median(times) * 1e6 / num_seqs}
 
@@ -118,9 +141,16 @@ def main() -> None:
     ap.add_argument("--gc", choices=("default", "service", "both"), default="both",
                     help="garbage-collector settings to measure under (see above)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--untimed", action="store_true",
+                    help="only run the decode steps of the first size, once, untimed: for an "
+                         "instruction counter (see the module docstring)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     modes = ("service", "default") if args.gc == "both" else (args.gc,)
+    if args.untimed:
+        bench(sizes[0], args.steps, args.block_size, gc_freeze=modes[0] == "service",
+              untimed=True)
+        return
     res: dict[str, dict[int, dict]] = {m: {} for m in modes}
     for n in sizes:
         for r in range(args.repeats):      # the modes interleaved: the same machine load
@@ -133,7 +163,8 @@ def main() -> None:
         key = {"service": "step_ms", "default": "step_ms_default_gc"}
         out = {key[m]: {str(n): round(r["median_ms"], 4) for n, r in res[m].items()}
                for m in modes}
-        out["wire_ms"] = {str(n): round(r["wire_ms"], 4) for n, r in res[modes[0]].items()}
+        for k in ("wire_ms", "publish_ms"):
+            out[k] = {str(n): round(r[k], 4) for n, r in res[modes[0]].items()}
         print(json.dumps(out))
         return
     print(f"{'gc':>8} {'running seqs':>12} {'median ms':>10} {'p90 ms':>8} {'us/seq':>7}")

@@ -62,7 +62,7 @@ def run(runner: ModelRunner, prompt: list[int], batch: int, tokens: int,
         t1 = time.perf_counter()
         result = runner.execute(plan)
         t2 = time.perf_counter()
-        outs = sched.update(plan, result)
+        outs = sched.update(plan, result).request_outputs()
         t3 = time.perf_counter()
         assert result.error is None, result.error
         generated += sum(len(d.token_ids) for o in outs for d in o.seqs)

@@ -180,7 +180,8 @@ def run(requests: list[tuple[list[int], int]], cfg: SchedulerConfig, num_blocks:
         warm = warm or finished >= conc      # the batch has turned over once
         if warm and queued:
             steady.add(cfg.block_size, gpu, conc)
-        finished += sum(1 for o in sched.update(plan, ex.execute(plan)) if o.finished)
+        finished += sum(1 for o in sched.update(plan, ex.execute(plan)).request_outputs()
+                        if o.finished)
     st = sched.stats()
     if st.gpu_blocks_used:
         raise AssertionError(f"{st.gpu_blocks_used} blocks still in use after the run")

@@ -59,7 +59,7 @@ class OfflineEngine:
                 break
             result = self.runner.execute(plan)      # a failed step fails its requests
             now = time.perf_counter() - start
-            for out in self.scheduler.update(plan, result):
+            for out in self.scheduler.update(plan, result).request_outputs():
                 self._absorb(done[out.request_id], out, now)
         return done
 

@@ -39,7 +39,7 @@ def _offline_reference(prompt_ids: list[list[int]]):
     while engine.scheduler.has_unfinished():
         plan = engine.scheduler.schedule()
         result = engine.runner.execute(plan)
-        for out in engine.scheduler.update(plan, result):
+        for out in engine.scheduler.update(plan, result).request_outputs():
             for d in out.seqs:
                 tokens[out.request_id] += d.token_ids
                 tops[out.request_id] += [lp.top for lp in d.logprobs]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from services.scheduler.block_pool import NO_PARENT, BlockPool, CpuBlockPool, hash_block_tokens
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # NOTE: nearly every allocation is a decode writing into a block its seq owns: no copy. They
@@ -50,31 +51,11 @@ class BlockManager:
         self.swapped_in_blocks_total = 0
 
     # ------------------------------------------------------------ figures
+    # The pools' own figures (used, cached, filled slots, references) are read from `gpu`
+    # and `cpu` directly (stats.py); this one is the scheduler's every-step question.
     @property
     def num_free_blocks(self) -> int:
         return self.gpu.num_free
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.gpu.num_used
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache (referenced or free-but-revivable)."""
-        return len(self.gpu.cached)
-
-    @property
-    def num_allocated_slots(self) -> int:
-        return self.gpu.num_used * self.block_size
-
-    @property
-    def num_filled_slots(self) -> int:
-        return self.gpu.num_filled_slots
-
-    @property
-    def num_logical_blocks(self) -> int:
-        """Block-table entries over all sequences: the blocks needed if nothing were shared."""
-        return self.gpu.num_refs
 
     # ------------------------------------------------------------ counting
     def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
@@ -176,10 +157,12 @@ class BlockManager:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         j = start // bs
-        last = (end - 1) // bs
-        if last == j < len(table) and gpu.ref_count[table[j]] == 1:
-            gpu.fill(table[j], end - j * bs)     # most calls: a decode into a block it owns
-            return _NO_COPIES
+        last = j if num_new_tokens == 1 else (end - 1) // bs
+        if last == j < len(table):
+            b = table[j]
+            if gpu.ref_count[b] == 1:
+                gpu.fill(b, end - j * bs)        # most calls: a decode into a block it owns
+                return _NO_COPIES
         grow = last + 1 - len(table)
         shared = j < len(table) and gpu.ref_count[table[j]] > 1
         if grow + shared > gpu.free.num_free:
@@ -438,3 +421,17 @@ class ContiguousBlockManager(BlockManager):
             self.gpu.fill(dst, self.gpu.num_tokens[src])
             pairs.append([src, dst])
         return pairs
+
+
+def block_manager_for(config: SchedulerConfig, num_gpu_blocks: int,
+                      num_cpu_blocks: int) -> BlockManager:
+    """The block manager `config` asks for, over pools of these sizes: the paged one, or
+    the contiguous baseline. Raises ValueError when there is no GPU block at all."""
+    if num_gpu_blocks < 1:
+        raise ValueError("the executor reported no GPU KV blocks: give it more memory")
+    num_cpu_blocks = max(0, num_cpu_blocks)
+    if config.contiguous:
+        return ContiguousBlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
+                                      config.max_blocks_per_seq)
+    return BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
+                        config.enable_prefix_caching)

@@ -1,8 +1,9 @@
-"""Applying a step's result: sampled tokens, the finish rules, beam steps, RequestOutputs.
+"""Applying a step's result: sampled tokens, the finish rules, beam steps, the step's news.
 
-    StepResult ──▶ apply_result ──▶ per sampling row: append_token (finish rules) ─▶ SeqDelta
+    StepResult ──▶ apply_result ──▶ per sampling row: append_token (finish rules) ─▶ delta
                                     per beam group:   beam_step (select, fork, free)
-                                    per request:      one RequestOutput with its deltas
+                               ──▶ StepOutputs: a row per single-sequence request that
+                                    sampled, whole RequestOutputs for the rest
 
 The result is positional: token r answers row r of the plan (shared/messages.py, StepPlan),
 so nothing is looked up by id. The finish rules live in `append_token` only: a stop token
@@ -15,6 +16,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from services.scheduler.beam_search import BeamSearch
+from services.scheduler.constrained import consume
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from shared.messages import RequestOutput, SeqDelta, StepPlan, StepResult, TokenLogprob
 
@@ -29,10 +31,43 @@ _NO_LOGPROBS: list[TokenLogprob] = []
 _NO_TOP: list[list] = []
 
 
+class StepOutputs:
+    """One step's news, columnar. Most of a step is single-sequence requests that have had
+    their first output: each is one row, a delta kept as the tuple of SeqDelta's fields
+
+        rows[i]   (group, (index, token_ids, logprobs, finish_reason, stop_token_id,
+                           cumulative_logprob))
+
+    and its RequestOutput is built by `request_outputs()`, where the outputs are published,
+    not per row in the core's loop. Everything else (a request's first output, parallel
+    samples, a beam search's end, a failed step) is a whole RequestOutput in `outputs`.
+    """
+
+    __slots__ = ("rows", "outputs")
+
+    def __init__(self, rows: list[tuple[SequenceGroup, tuple]],
+                 outputs: list[RequestOutput]) -> None:
+        self.rows = rows
+        self.outputs = outputs
+
+    def __len__(self) -> int:
+        """Requests with news (one RequestOutput each)."""
+        return len(self.rows) + len(self.outputs)
+
+    def request_outputs(self) -> list[RequestOutput]:
+        """One RequestOutput per request with news (a row's request has finished exactly
+        when its delta has a finish reason)."""
+        outs = [RequestOutput(g.request_id, [SeqDelta(*d)], d[3] is not None, g.prompt_len,
+                              g.num_cached_tokens) for g, d in self.rows]
+        outs += self.outputs
+        return outs
+
+
 def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float,
-                 top: list) -> SeqDelta:
-    """Apply one sampled token to `seq` under the finish rules; returns its delta (with
-    finish_reason set, and seq.finish_reason too, when it ends the seq)."""
+                 top: list) -> tuple:
+    """Apply one sampled token to `seq` under the finish rules; returns its delta as the
+    tuple of SeqDelta's fields (with finish_reason set, and seq.finish_reason too, when it
+    ends the seq)."""
     cum = seq.cumulative_logprob = seq.cumulative_logprob + logprob
     tokens = seq.token_ids
     if token in group.stop_ids and len(tokens) >= group.min_len:
@@ -42,24 +77,18 @@ def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float
         # lm-eval score it, and vLLM reports it); the token itself stays out of token_ids.
         stop_lp = (_NO_LOGPROBS if seq.logprobs is None else
                    [TokenLogprob(token, logprob, top[:group.sampling.logprobs])])
-        return SeqDelta(seq.sample_index, [], stop_lp, "stop", token, cum)
+        return (seq.sample_index, [], stop_lp, "stop", token, cum)
     tokens.append(token)
-    reason = None
-    matcher = seq.matcher
-    if matcher is not None:
-        # The mask allowed only tokens the grammar accepts; once it is complete (nothing but
-        # EOS may follow) the seq ends "stop" without a step to sample the EOS.
-        if not matcher.consume_token(token):
-            reason = seq.finish_reason = "error"
-        elif matcher.is_stopped():
-            reason = seq.finish_reason = "stop"
+    reason = None if seq.matcher is None else consume(seq, token)
     if reason is None and len(tokens) >= group.max_len:
-        reason = seq.finish_reason = "length"
+        reason = "length"
+    if reason is not None:
+        seq.finish_reason = reason
     if seq.logprobs is None:
-        return SeqDelta(seq.sample_index, [token], _NO_LOGPROBS, reason, None, cum)
+        return (seq.sample_index, [token], _NO_LOGPROBS, reason, None, cum)
     lp = TokenLogprob(token, logprob, top[:group.sampling.logprobs])
     seq.logprobs.append(lp)
-    return SeqDelta(seq.sample_index, [token], [lp], reason, None, cum)
+    return (seq.sample_index, [token], [lp], reason, None, cum)
 
 
 def request_output(group: SequenceGroup, deltas: list[SeqDelta]) -> RequestOutput:
@@ -104,7 +133,7 @@ def result_error(plan: StepPlan, result: StepResult) -> str | None:
     return None
 
 
-def fail_step(core: Scheduler, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+def fail_step(core: Scheduler, seqs: list[Sequence], error: str) -> StepOutputs:
     """End every request of `seqs` (what a failed step ran or swapped out: their KV state is
     unknown) with the error; the executors drop their seqs with the next plan."""
     failed = []
@@ -114,19 +143,20 @@ def fail_step(core: Scheduler, seqs: list[Sequence], error: str) -> list[Request
             out.error = f"the model step failed: {error}"
             out.error_code = 500
             failed.append(out)
-    return failed
+    return StepOutputs([], failed)
 
 
 def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: StepResult
-                 ) -> list[RequestOutput]:
+                 ) -> StepOutputs:
     """Advance every row's seq by its scheduled tokens and apply the sampled ones. Returns
-    one RequestOutput per request with news. `seqs[r]` is the seq of plan row r; a seq that
+    the news of every request that has some. `seqs[r]` is the seq of plan row r; a seq that
     finished or was aborted while the step ran is skipped."""
     if result.prompt_logprobs:
         _add_prompt_logprobs(seqs, result.prompt_logprobs)
     num_sampling = plan.num_sampling_rows
+    rows: list[tuple[SequenceGroup, tuple]] = []
     outs: list[RequestOutput] = []
-    grouped: dict[str, RequestOutput] = {}   # request id -> its output (groups of several)
+    grouped: dict[str, RequestOutput] = {}   # request id -> its whole output
     beam_steps: dict[str, list] = {}
     prompt_done = 0
     num_skipped = 0
@@ -146,24 +176,20 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
             beam_steps.setdefault(group.request_id, []).append((seq, top))
             continue
         delta = append_token(seq, group, token, logprob, top)
-        if group.max_num_seqs == 1:
-            if group.first_output_sent:
-                out = RequestOutput(group.request_id, [delta], False, group.prompt_len,
-                                    group.num_cached_tokens)
-            else:
-                out = request_output(group, [delta])
-            outs.append(out)
+        if group.max_num_seqs == 1 and group.first_output_sent:
+            rows.append((group, delta))
+            out = None
         else:
             out = grouped.get(group.request_id)
             if out is None:
-                out = grouped[group.request_id] = request_output(group, [delta])
+                out = grouped[group.request_id] = request_output(group, [])
                 outs.append(out)
-            else:
-                out.seqs.append(delta)
-        if delta.finish_reason is not None:
+            out.seqs.append(SeqDelta(*delta))
+        if delta[3] is not None:                 # its finish reason
             core.finish_seq(seq)
             if not group.seqs:
-                out.finished = True
+                if out is not None:
+                    out.finished = True
                 core.finish_group(group, prune_running=False)
                 any_finished = True
     for seq in seqs[num_sampling:]:          # prefill chunks short of their seq's end
@@ -182,7 +208,7 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
     core.generation_tokens_total += num_sampling - num_skipped
     if any_finished:
         core.running = [g for g in core.running if g.status == RUNNING]
-    return outs
+    return StepOutputs(rows, outs)
 
 
 def _add_prompt_logprobs(seqs: list[Sequence], per_row: list[list[TokenLogprob]]) -> None:

@@ -17,7 +17,7 @@ prefill chunks that stop short of their sequence's end.
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.grammar import allowed_mask
+from services.scheduler.constrained import add_bitmasks
 from services.scheduler.sequence import Sequence
 from shared.messages import NewSeq, StepPlan
 
@@ -91,6 +91,8 @@ class PlanBuilder:
         tokens = seq.token_ids
         table = seq.block_table
         sent = seq.num_tokens_sent
+        n = len(tokens)
+        num_blocks = len(table)
         if sent < 0:
             g = seq.group
             self.new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
@@ -100,10 +102,10 @@ class PlanBuilder:
             synced = seq.num_blocks_synced
             append = tokens[sent:]
             keep = -1 if synced == seq.num_blocks_sent else synced
-            blocks = table[synced:] if synced < len(table) else _NO_BLOCKS
-        n = seq.num_tokens_sent = len(tokens)
-        seq.num_blocks_sent = seq.num_blocks_synced = len(table)
-        if num_tokens == 1 and end == n:
+            blocks = table[synced:] if synced < num_blocks else _NO_BLOCKS
+        seq.num_tokens_sent = n
+        seq.num_blocks_sent = seq.num_blocks_synced = num_blocks
+        if end == n and num_tokens == 1:
             self.decode_rows.append((seq, seq.seq_id, c, append, keep, blocks))
         else:
             self.other_rows.append((end == n, seq, seq.seq_id, c, num_tokens, append, keep,
@@ -139,19 +141,6 @@ class PlanBuilder:
                         self.finished_seq_ids)
         add_bitmasks(plan, seqs)
         return plan, seqs
-
-
-def add_bitmasks(plan: StepPlan, seqs: list[Sequence]) -> None:
-    """The allowed-token bitmask of every constrained row that samples this step (its
-    matcher has seen every output token so far: masks are computed here, when the plan is
-    built, and the sampled tokens advance the matchers in outputs.append_token)."""
-    rows = [r for r in range(plan.num_sampling_rows) if seqs[r].matcher is not None]
-    if not rows:
-        return
-    masks = [allowed_mask(seqs[r].matcher, seqs[r].group.stop_ids) for r in rows]
-    plan.bitmask_rows = rows
-    plan.bitmask_words = len(masks[0]) // 4
-    plan.token_bitmask = b"".join(masks)
 
 
 def _samples_last(row: tuple) -> bool:

@@ -11,9 +11,10 @@ Each step spends a token budget (max_num_batched_tokens) over, in this order:
                      preempted (recompute) to admit a waiting request that does not fit
 
 Prefill chunks and decodes share a step (chunked prefill). This module is the policy: the
-queues, the admission order and the choice of victims. Block counting is the block manager's
-(block_manager.py), the plan's rows and the executors' mirror the plan builder's (plan.py),
-and applying a result (finish rules, beams, RequestOutputs) is outputs.py's.
+queues, the admission order and the choice of victims (priority.py: those of a more important
+waiting request). Block counting is the block manager's (block_manager.py), the plan's rows
+and the executors' mirror the plan builder's (plan.py), applying a result (finish rules,
+beams, the step's news) outputs.py's, and a grammar's hooks constrained.py's.
 
 Parallel sampling (n > 1) computes the prompt once: seq 0 prefills all but the last prompt
 token, then n seqs fork from it, sharing its blocks; each computes the last prompt token
@@ -28,10 +29,12 @@ from operator import attrgetter
 from services.scheduler import outputs
 from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
-from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
+from services.scheduler.block_manager import BlockManager, block_manager_for
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.grammar import GrammarError, Grammars
+from services.scheduler.constrained import attach_matchers
+from services.scheduler.grammar import Grammars
 from services.scheduler.plan import PlanBuilder, drop_from_executors
+from services.scheduler.priority import victims_for
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.stats import SchedulerStats, scheduler_stats
 from shared.messages import GenerationRequest, RequestOutput, SeqDelta, StepPlan, StepResult
@@ -52,14 +55,7 @@ class Scheduler:
             raise ValueError("the executor reported no GPU KV blocks: give it more memory")
         self.config = config
         self.block_size = config.block_size
-        num_cpu_blocks = max(0, num_cpu_blocks)
-        if config.contiguous:
-            self.block_manager: BlockManager = ContiguousBlockManager(
-                num_gpu_blocks, num_cpu_blocks, config.block_size, config.max_blocks_per_seq)
-        else:
-            self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
-                                              config.enable_prefix_caching)
-        self.watermark_blocks = int(config.watermark * num_gpu_blocks)
+        self._new_pool(num_gpu_blocks, num_cpu_blocks)
         self.grammars = Grammars(config.model)   # compiled on first use, cached by spec
         self.groups: dict[str, SequenceGroup] = {}        # every unfinished request
         self.waiting: list[tuple[tuple, SequenceGroup]] = []   # heap; aborted entries skipped
@@ -97,25 +93,14 @@ class Scheduler:
         if req.request_id in self.groups:
             return
         check_admission(req, cfg, self.block_manager)
-        matcher = None
-        if sp.constraint is not None:
-            if sp.beam_width > 0:
-                raise AdmissionError("beam search cannot follow an output constraint "
-                                     "(response_format, structured_outputs, tools): drop one")
-            try:
-                matcher = self.grammars.matcher(sp.constraint)
-            except GrammarError as exc:
-                raise AdmissionError(str(exc)) from None
         order = self._next_order
         self._next_order += 1
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
-        for i in range(1 if group.is_beam else sp.n):
-            seq = self.new_seq(group, list(req.prompt_token_ids), L)
-            if matcher is not None:      # each sample follows the grammar on its own
-                seq.matcher = matcher if i == 0 else matcher.deep_copy()
-            group.seqs.append(seq)
+        for _ in range(1 if group.is_beam else sp.n):
+            group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
+        attach_matchers(self.grammars, group)
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group
@@ -271,43 +256,18 @@ class Scheduler:
         return waiting[0][1] if waiting else None
 
     def _preempt_for_waiting(self, step: PlanBuilder) -> None:
-        """Priority policy: when the most important waiting request cannot be admitted, preempt
-        running groups of strictly lower priority (latest first) until it can, by recompute:
-        their blocks are freed and they wait in the queue behind it.
-
-        Only when the victims together make room; never for a request of equal or lower
-        priority (so under equal priorities nothing changes: first come, first served); never
-        while groups are swapped out (they resume before any admission). Victims are chosen
-        before anything is scheduled in this step.
-        """
+        """Priority policy: preempt, by recompute, the running groups of lower priority that
+        keep the most important waiting request out (priority.py chooses them)."""
         head = self._waiting_head()
-        running = self.running
-        if head is None or running[-1].priority <= head.priority:
+        if head is None:
             return
-        bm = self.block_manager
-        cfg = self.config
-        seat_short = self.num_running_seqs + head.max_num_seqs - cfg.max_num_seqs
-        # Its first chunk shares the step with the decodes of those who stay.
-        budget = max(1, cfg.max_num_batched_tokens - self.num_running_seqs)
-        _, need = bm.blocks_to_admit(head, budget)
-        block_short = need + self._headroom(head) - bm.num_free_blocks
-        if seat_short <= 0 and block_short <= 0:
-            return                                   # it fits: admitted as usual
-        victims: list[SequenceGroup] = []
-        for group in reversed(running):
-            if group.priority <= head.priority or (seat_short <= 0 and block_short <= 0):
-                break
-            victims.append(group)
-            seat_short -= group.max_num_seqs
-            block_short -= bm.blocks_freed_by(group.seqs)
-            # Fewer running seqs: less headroom is kept for their growth.
-            block_short -= int(cfg.growth_reserve * group.max_num_seqs)
-        if seat_short > 0 or block_short > 0:
-            return                   # even all of them would not make room: preempt nobody
+        victims = victims_for(head, self.running, self.num_running_seqs, self.config,
+                              self.block_manager, self._headroom(head))
         for group in victims:
             self._preempt(group, step, mode="recompute")
-        self._preempted = False      # these were for admission: the step goes on to admit
-        self._admit_below = min(g.sort_key for g in victims)
+        if victims:
+            self._preempted = False  # these were for admission: the step goes on to admit
+            self._admit_below = min(g.sort_key for g in victims)
 
     def _headroom(self, group: SequenceGroup) -> int:
         """Free blocks that admitting (or swapping in) `group` must leave for the running seqs
@@ -393,19 +353,15 @@ class Scheduler:
             bm.free(seq)
             drop_from_executors(seq, step.finished_seq_ids)
             seq.num_computed_tokens = 0
-            seq.status = WAITING
-        group.forked = False
-        group.status = WAITING
-        if group.prompt_logprobs is not None and not group.first_output_sent:
-            group.prompt_logprobs = []      # they are computed again
+        group.to_recompute()
         heapq.heappush(self.waiting, (group.sort_key, group))
         self.num_waiting += 1
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's result (outputs.py). Returns one RequestOutput per request with news
-        (new tokens, a finish). A step that failed (its `error`, or a result that does not fit
-        the plan) fails the requests it ran or moved, and only those."""
+    def update(self, plan: StepPlan, result: StepResult) -> outputs.StepOutputs:
+        """Apply a step's result (outputs.py). Returns the news of every request that has
+        some (new tokens, a finish), columnar. A step that failed (its `error`, or a result
+        that does not fit the plan) fails the requests it ran or moved, and only those."""
         if self._inflight is None or self._inflight[0] != plan.step_id:
             raise ValueError(f"update() for step {plan.step_id}, but the plan in flight is "
                              f"{self._inflight[0] if self._inflight else None}")
@@ -461,37 +417,23 @@ class Scheduler:
         request goes back to waiting, in its queue order, and is recomputed from its prompt
         and the tokens it has already output, as a preemption by recompute would; the plan
         in flight, if any, is forgotten (its result never comes)."""
-        if num_gpu_blocks < 1:
-            raise ValueError("the executor reported no GPU KV blocks: give it more memory")
-        cfg = self.config
-        if cfg.contiguous:
-            self.block_manager = ContiguousBlockManager(
-                num_gpu_blocks, max(0, num_cpu_blocks), cfg.block_size, cfg.max_blocks_per_seq)
-        else:
-            self.block_manager = BlockManager(num_gpu_blocks, max(0, num_cpu_blocks),
-                                              cfg.block_size, cfg.enable_prefix_caching)
-        self.watermark_blocks = int(cfg.watermark * num_gpu_blocks)
+        self._new_pool(num_gpu_blocks, num_cpu_blocks)
         self._inflight = None
         self._pending_finished = []
         self.running, self.swapped, self.num_running_seqs = [], [], 0
         self.waiting = []
         for group in self.groups.values():
             for seq in group.seqs:
-                seq.block_table = []
-                seq.num_computed_tokens = seq.num_scheduled_tokens = 0
-                seq.block_hashes = []
-                seq.num_cached_blocks = 0
-                seq.cache_chain_broken = False
-                seq.num_tokens_sent = -1
-                seq.num_blocks_sent = seq.num_blocks_synced = 0
-                seq.status = WAITING
-            group.forked = False
-            group.status = WAITING
-            if group.prompt_logprobs is not None and not group.first_output_sent:
-                group.prompt_logprobs = []      # they are computed again
+                seq.forget_blocks()
+            group.to_recompute()
             self.waiting.append((group.sort_key, group))
         heapq.heapify(self.waiting)
         self.num_waiting = len(self.waiting)
+
+    def _new_pool(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.block_manager: BlockManager = block_manager_for(self.config, num_gpu_blocks,
+                                                             num_cpu_blocks)
+        self.watermark_blocks = int(self.config.watermark * num_gpu_blocks)
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> SchedulerStats:

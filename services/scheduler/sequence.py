@@ -72,6 +72,18 @@ class Sequence:
         self.num_blocks_sent = 0           # length of their block table
         self.num_blocks_synced = 0         # leading entries of theirs equal to ours
 
+    def forget_blocks(self) -> None:
+        """The KV cache lost this seq's blocks (a fresh pool): it holds none, has computed
+        nothing, and the executors do not know it."""
+        self.block_table = []
+        self.num_computed_tokens = self.num_scheduled_tokens = 0
+        self.block_hashes = []
+        self.num_cached_blocks = 0
+        self.cache_chain_broken = False
+        self.num_tokens_sent = -1
+        self.num_blocks_sent = self.num_blocks_synced = 0
+        self.status = SequenceStatus.WAITING
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
@@ -127,6 +139,17 @@ class SequenceGroup:
         self.stop_ids = _shared_stop_ids(sp.stop_token_ids)
         self.min_len = len(request.prompt_token_ids) + sp.min_tokens   # stop tokens count from here
         self.max_len = len(request.prompt_token_ids) + sp.max_tokens   # "length" at this many
+
+    def to_recompute(self) -> None:
+        """Back to waiting, its seqs to be computed again from their tokens (the seqs' blocks
+        are already freed): they fork again, and prompt logprobs not yet sent are computed
+        again."""
+        for seq in self.seqs:
+            seq.status = SequenceStatus.WAITING
+        self.forked = False
+        self.status = SequenceStatus.WAITING
+        if self.prompt_logprobs is not None and not self.first_output_sent:
+            self.prompt_logprobs = []
 
     @property
     def fork_point(self) -> int:

@@ -16,9 +16,8 @@ A request's stream entry is acknowledged only when the request ends, so a crashe
 scheduler's unfinished requests stay pending in the consumer group for another to claim.
 The Redis side is redis_link.py; a request's entry id and timeline live on its
 SequenceGroup. A failed step or a lost executor costs no request its stream: every request
-is recomputed from its prompt and streamed tokens (_recover); a successor scheduler
-continues a dead one's requests from their output streams (_reclaim_pending). See
-docs/reliability.md.
+is recomputed from its prompt and streamed tokens, and a successor scheduler continues a
+dead one's requests from their output streams: recovery.py, and docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -29,18 +28,18 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 
-import grpc
 import redis
 import zmq
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import result_error
+from services.scheduler.recovery import ExecutorLost, ExecutorTaken, Ownership, Recovery
 from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
 from services.scheduler.snapshot import DashboardPublisher
-from shared.control import OWNER_LEASE_S, ExecutorClient, owner_identity
+from shared.control import ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
@@ -75,14 +74,6 @@ class SchedulerServiceConfig:
     max_step_retries: int = 2
 
 
-class ExecutorLost(RuntimeError):
-    pass
-
-
-class ExecutorTaken(RuntimeError):
-    """Another scheduler owns the executor (its lease is live): this one stands by."""
-
-
 def _ended(request: GenerationRequest, reason: str, error: str | None = None,
            error_code: int = 0) -> RequestOutput:
     """The final output of a request that ends before (or without) running here."""
@@ -110,21 +101,13 @@ class SchedulerService:
         self.to_ack: list[str] = []
         self.inbox: list[tuple[str, GenerationRequest]] = []     # (entry id, request)
         self.abort_inbox: list[AbortRequest] = []
-        self._stop = False
+        self.stopping = False
         self._last_beat = 0.0
         self._last_metrics = 0.0
         self._next_reclaim = time.monotonic() + 5.0
         self.plan: StepPlan | None = None        # the plan in flight
-        self.fence = 0                           # this owner's token (executor's Reset)
-        self.instance = ""                       # the executor's instance id (Describe)
-        # Monotonic s of the last result or health answer of the executor: a scheduler
-        # that was stopped (SIGSTOP, a long GC) past the executor's owner lease checks it
-        # still owns it before it publishes anything (another may have taken over).
-        self._last_renew = self._last_contact = 0.0
-        self.losses: dict[str, int] = {}         # request id -> steps of it lost or failed
-        # request id -> (tokens already published per sample index, the indices that
-        # ended): what a predecessor streamed of a request this scheduler takes over
-        self.resume: dict[str, tuple[dict[int, list[int]], set[int]]] = {}
+        self.owner = Ownership(self.executor, config.name)
+        self.recovery = Recovery(self)
         self.dashboard = DashboardPublisher(self.link.redis, self.link.keys, config.name)
 
     # ------------------------------------------------------------ set-up
@@ -132,13 +115,7 @@ class SchedulerService:
         """Attach to the executor (waiting up to `timeout_s` for it), then build a fresh
         engine core, or start the current one over on the executor's fresh pool."""
         info = self.executor.wait_ready(timeout_s or self.config.startup_timeout_s)
-        # Take the executor over (its sequences from a previous owner are dropped), unless
-        # another scheduler owns it: then nothing here touches it.
-        reply = self.executor.reset(owner=self.config.name)
-        if not reply.fence:
-            raise ExecutorTaken(f"executor {self.config.executor} is owned by the live "
-                                f"scheduler {reply.holder!r}; standing by")
-        self.fence, self.instance = reply.fence, info.instance_id
+        self.owner.take(info.instance_id)
         self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
         if self.sched is None:
             core = replace(self.config.core, block_size=info.block_size,
@@ -158,7 +135,7 @@ class SchedulerService:
                 from prometheus_client import start_http_server
                 start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
                                   registry=self.metrics.registry)
-        self._close_sockets()
+        self.close_sockets()
         for ep in info.plan_endpoints:
             s = self.zmq.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
@@ -167,12 +144,13 @@ class SchedulerService:
         self.result_sock = self.zmq.socket(zmq.DEALER)
         self.result_sock.setsockopt(zmq.LINGER, 0)
         self.result_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.result_sock.setsockopt(zmq.IDENTITY, owner_identity(self.config.name, self.fence))
+        self.result_sock.setsockopt(zmq.IDENTITY,
+                                    owner_identity(self.config.name, self.owner.fence))
         self.result_sock.connect(info.result_endpoint)
         log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
                  info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
 
-    def _close_sockets(self) -> None:
+    def close_sockets(self) -> None:
         """Close the data-plane sockets (they would reconnect to whatever binds there)."""
         for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
             if sock is not None:
@@ -190,7 +168,7 @@ class SchedulerService:
             except ExecutorTaken as exc:       # a standby: it takes over when the owner dies
                 log.warning("%s", exc)
                 self.degraded = str(exc)
-                self._beat(force=True)
+                self.beat(force=True)
                 time.sleep(1.0)
         self.degraded = None
         # NOTE: the hot loop allocates many short-lived objects; long-lived start-up state
@@ -199,14 +177,15 @@ class SchedulerService:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
         self.link.ensure_group()
-        self._reclaim_pending(include_self=True)
-        self._beat(force=True)
-        while not self._stop:
+        self.recovery.reclaim_pending(include_self=True)
+        self.beat(force=True)
+        while not self.stopping:
             try:
                 try:
                     self._iterate()
                 except ExecutorLost as exc:
-                    self._recover(str(exc), executor_alive=False)
+                    plan, self.plan = self.plan, None
+                    self.recovery.recover(plan, str(exc), executor_alive=False)
             except ExecutorTaken as exc:
                 # Another scheduler owns the executor now: publish nothing more. What this
                 # one held is pending in Redis under its name; the owner takes it over once
@@ -232,17 +211,17 @@ class SchedulerService:
         self.dashboard.tick(self.sched)          # nothing unless a dashboard page is open
         if time.monotonic() > self._next_reclaim:
             self._next_reclaim = time.monotonic() + 5.0
-            self._reclaim_pending()
+            self.recovery.reclaim_pending()
         plan = self.sched.schedule()
         if plan is None:
             # Idle: no plan renews the lease, and a restarted executor goes unnoticed.
-            if time.monotonic() - self._last_renew >= 1.0 and not self._executor_ok():
+            if time.monotonic() - self.owner.last_renew >= 1.0 and not self.owner.check():
                 raise ExecutorLost(f"executor {self.config.executor} stopped answering")
             self._redis_round(block_ms=500)
             self._apply_inbox()
             return
         self._note_scheduled(plan)
-        plan.fence = self.fence
+        plan.fence = self.owner.fence
         self.plan = plan
         data = encode(plan)
         for sock in self.plan_socks:
@@ -253,93 +232,20 @@ class SchedulerService:
         if error is not None:
             # The KV state of what the step ran is unknown: start over by recompute, and
             # end only the requests of this step that have used up their retries. (A plan
-            # refused as fenced: _executor_ok raises when another scheduler owns it.)
-            self._recover(error, executor_alive=self._executor_ok())
+            # refused as fenced: Ownership.check raises when another scheduler owns it.)
+            self.plan = None
+            self.recovery.recover(plan, error, executor_alive=self.owner.check())
             return
         self.plan = None
-        self._emit(self.sched.update(plan, result))
+        self.emit(self.sched.update(plan, result).request_outputs())
         self._apply_inbox()
 
     def stop(self) -> None:
-        self._stop = True
+        self.stopping = True
 
-    # ------------------------------------------------------------ failures
-    def _recover(self, reason: str, executor_alive: bool) -> None:
-        """The executor died, or a step failed: keep every request, and once an executor
-        answers again (the same one after a failed step, after a Reset) run them all again
-        by recompute from their prompt and the tokens they have already streamed, so their
-        streams simply continue. The requests of the step in flight count one loss each; a
-        request lost more than max_step_retries times ends with an error.
-        """
-        log.error("step failed (%s); executor %s: recomputing every request", reason,
-                  "alive" if executor_alive else "lost, waiting for it to return")
-        self.degraded = None if executor_alive else f"executor lost: {reason}"
-        self._beat(force=True)                                       # /health: degraded
-        self._fail_culprits(reason)
-        self._flush_outputs()
-        self._close_sockets()
-        while not self._stop:
-            try:
-                self.connect(timeout_s=2.0)
-                break
-            except ExecutorTaken:
-                raise
-            except Exception as exc:  # timeouts and gRPC errors while it restarts
-                self.degraded = f"executor lost: {reason}"
-                log.warning("executor not back yet: %s", exc)
-                self._beat()
-        self.degraded = None
-        self._beat(force=True)
-        log.info("executor is back; %d requests continue by recompute", len(self.requests))
-
-    def _fail_culprits(self, reason: str) -> None:
-        """Count a loss against each request of the plan in flight; end those over the
-        limit with an error (their final output says why)."""
-        plan, self.plan = self.plan, None
-        if plan is None:
-            return
-        rows = set(plan.seq_ids)
-        for group in list(self.requests.values()):
-            if not any(seq.seq_id in rows for seq in group.seqs):
-                continue
-            lost = self.losses[group.request_id] = self.losses.get(group.request_id, 0) + 1
-            if lost > self.config.max_step_retries:
-                out = self.sched.abort_request(group.request_id, "error")
-                out.error = (f"the model step failed {lost} times while running this "
-                             f"request: {reason}")
-                out.error_code = 500
-                self._emit([out])
-
-    def _flush_outputs(self) -> None:
+    def flush_outputs(self) -> None:
         if self.pending_outputs or self.to_ack:
             self._redis_round(block_ms=0, read=False)
-
-    def _reclaim_pending(self, include_self: bool = False) -> None:
-        """Take over requests read by this name before a restart, or by a dead scheduler.
-
-        A request that had already streamed output continues from there: it is admitted
-        with the tokens its stream holds and recomputes them (see _apply_inbox), so its
-        client sees one unbroken stream. One whose final output was published is only
-        acknowledged.
-        """
-        dead = self.link.dead_schedulers(self.link.now())
-        for name in ([self.config.name] if include_self else []) + dead:
-            inbound = self.link.take_pending(name)
-            if not inbound.requests and not inbound.malformed:
-                continue
-            self._take(inbound)
-            started = 0
-            for eid, req in inbound.requests:
-                tokens, ended, finished = self.link.published(req.request_id)
-                if finished:
-                    self.inbox.remove((eid, req))
-                    self.to_ack.append(eid)
-                elif tokens or ended:
-                    started += 1
-                    self.resume[req.request_id] = (tokens, ended)
-            log.warning("reclaimed %d pending requests of %s (%d continue where their "
-                        "stream stopped)", len(inbound.requests), name, started)
-        self._flush_outputs()
 
     def _recv_result(self, plan: StepPlan) -> StepResult:
         """The result answering `plan`. A result of another step is stale and dropped, except
@@ -349,7 +255,7 @@ class SchedulerService:
         while True:
             if self.result_sock.poll(100):
                 result = decode(self.result_sock.recv(), StepResult)
-                self._last_contact = time.monotonic()
+                self.owner.heard()
                 if result.step_id == plan.step_id:
                     return result
                 if result.error is not None and result.step_id < 0:
@@ -360,7 +266,7 @@ class SchedulerService:
             # A long forward (a big prefill, a loaded host) is not a dead scheduler: gateways
             # end the streams of a scheduler whose heartbeat stops (scheduler_gone_s).
             try:
-                self._beat()
+                self.beat()
             except redis.RedisError:
                 pass            # the next Redis round after this step meets it
             if time.monotonic() > deadline:
@@ -368,24 +274,9 @@ class SchedulerService:
                                    f"({self.config.step_timeout_s:g} s)")
             if time.monotonic() > deadline_check:
                 # A long forward is fine as long as the executor still answers health checks.
-                if not self._executor_ok():
+                if not self.owner.check():
                     raise ExecutorLost(f"executor {self.config.executor} stopped answering")
                 deadline_check = time.monotonic() + self.config.executor_timeout_s
-
-    def _executor_ok(self) -> bool:
-        """Health of the executor, renewing this owner's lease. Raises ExecutorTaken when
-        another scheduler has taken it over (its token is not ours any more)."""
-        try:
-            reply = self.executor.health(owner=self.config.name)
-        except grpc.RpcError:
-            return False
-        if reply.instance_id != self.instance:
-            return False                # another executor there: this one is lost
-        if reply.fence != self.fence:
-            raise ExecutorTaken(f"fenced: the executor's token is {reply.fence}, not "
-                                f"{self.fence}: another scheduler took it over")
-        self._last_renew = self._last_contact = time.monotonic()
-        return reply.ok
 
     def _note_scheduled(self, plan: StepPlan) -> None:
         now = time.time()
@@ -402,9 +293,8 @@ class SchedulerService:
         If Redis is unreachable, nothing is lost: outputs and acks stay queued in memory
         and go out in the first round that succeeds.
         """
-        if (self.pending_outputs and self.instance
-                and time.monotonic() - self._last_contact > OWNER_LEASE_S / 2):
-            self._executor_ok()                   # raises ExecutorTaken when fenced
+        if self.pending_outputs and self.owner.must_check():
+            self.owner.check()                   # raises ExecutorTaken when fenced
         outputs = list(self.pending_outputs)
         acks = list(self.to_ack)
         want = self._read_count() if read else 0
@@ -418,11 +308,11 @@ class SchedulerService:
             return
         del self.pending_outputs[:len(outputs)]
         del self.to_ack[:len(acks)]
-        self._take(inbound)
+        self.take(inbound)
         if read and want and not inbound.requests and block_ms and not self.sched.has_unfinished():
-            self._take(self.link.wait_for_requests(want, block_ms))
+            self.take(self.link.wait_for_requests(want, block_ms))
 
-    def _take(self, inbound: Inbound) -> None:
+    def take(self, inbound: Inbound) -> None:
         self.abort_inbox += inbound.aborts
         self.inbox += inbound.requests
         self.to_ack += inbound.malformed
@@ -447,7 +337,7 @@ class SchedulerService:
         self._last_beat = now
         return Heartbeat(self.link.now(), self.degraded, metrics)
 
-    def _beat(self, force: bool = False) -> None:
+    def beat(self, force: bool = False) -> None:
         beat = self._heartbeat(force)
         if beat is not None:
             self.link.beat(beat)
@@ -458,12 +348,12 @@ class SchedulerService:
             if ab.index >= 0:           # one sequence (its choice ended at a stop string)
                 out = self.sched.abort_seq(ab.request_id, ab.index, ab.reason)
                 if out is not None:
-                    self._emit([out])
+                    self.emit([out])
                 continue
             self.recent_aborts[ab.request_id] = now
             out = self.sched.abort_request(ab.request_id, ab.reason)
             if out is not None:
-                self._emit([out])
+                self.emit([out])
         self.abort_inbox = []
         for eid, req in self.inbox:
             if req.request_id in self.recent_aborts:
@@ -478,12 +368,11 @@ class SchedulerService:
                 self.to_ack.append(eid)
                 continue
             group = self.sched.groups[req.request_id]
-            if req.request_id in self.resume:
-                self._continue(group, *self.resume.pop(req.request_id))
-                if not group.seqs:                # every choice had ended: only the end
-                    self._emit([self.sched.abort_request(req.request_id, "stop")])
-                    self.to_ack.append(eid)
-                    continue
+            self.recovery.resume_group(group)
+            if not group.seqs:      # taken over, every choice had ended: only the end
+                self.emit([self.sched.abort_request(req.request_id, "stop")])
+                self.to_ack.append(eid)
+                continue
             group.entry_id = eid
             group.arrival_time = req.arrival_time or now
             self.requests[req.request_id] = group
@@ -492,22 +381,7 @@ class SchedulerService:
             cutoff = now - 600
             self.recent_aborts = {k: v for k, v in self.recent_aborts.items() if v > cutoff}
 
-    @staticmethod
-    def _continue(group: SequenceGroup, tokens: dict[int, list[int]], ended: set[int]) -> None:
-        """A request taken over from a scheduler that died: its seqs start from the tokens
-        their stream already holds (recomputed with the prompt, as after a preemption), and
-        the choices that ended are not run again. Beams stream nothing before they end, so
-        a beam search starts over."""
-        if group.is_beam:
-            return
-        for seq in list(group.seqs):
-            if seq.sample_index in ended:
-                group.seqs.remove(seq)
-            else:
-                seq.token_ids.extend(tokens.get(seq.sample_index, ()))
-        group.first_output_sent = True
-
-    def _emit(self, outputs: list[RequestOutput]) -> None:
+    def emit(self, outputs: list[RequestOutput]) -> None:
         """Queue outputs for the next round; observe the request timeline; an ended request's
         stream entry is acknowledged in the same round as its last output."""
         now = time.time()
@@ -519,7 +393,7 @@ class SchedulerService:
                 continue
             if out.finished:
                 self.to_ack.append(group.entry_id)
-                self.losses.pop(out.request_id, None)
+                self.recovery.forget(out.request_id)
                 if out.error is None:
                     self.metrics.e2e.observe(max(0.0, now - group.arrival_time))
             new = sum(len(s.token_ids) for s in out.seqs)

@@ -119,7 +119,7 @@ def simulate(requests: list[tuple[int, GenerationRequest]], config: SchedulerCon
         plan = sched.schedule()
         if plan is not None:
             plan = wire(plan)
-            outputs = sched.update(plan, wire(ex.execute(plan)))
+            outputs = sched.update(plan, wire(ex.execute(plan))).request_outputs()
             _collect(results, [wire(o) for o in outputs])
         step += 1
         if step > max_steps:

@@ -39,13 +39,13 @@ def test_fork_shares_blocks_until_write():
     assert bm.fork(parent, child) == []
     assert child.block_table == parent.block_table
     assert [bm.gpu.ref_count[b] for b in parent.block_table] == [2, 2]
-    assert bm.num_used_blocks == 2 and bm.num_logical_blocks == 4
+    assert bm.gpu.num_used == 2 and bm.gpu.num_refs == 4
 
     child.token_ids.append(99)
     copies = compute(bm, child, 1)        # writes into the shared, partly filled block
     assert copies == [[parent.block_table[1], child.block_table[1]]]
     assert child.block_table[0] == parent.block_table[0]     # the full block stays shared
-    assert bm.num_used_blocks == 3
+    assert bm.gpu.num_used == 3
 
     parent.token_ids.append(7)
     assert compute(bm, parent, 1) == []   # now the only owner: written in place
@@ -111,14 +111,14 @@ def test_prefix_cache_reuses_the_blocks_of_an_identical_prefix():
     compute(bm, a)
     first_blocks = a.block_table[:2]
     bm.free(a)
-    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2   # free but revivable
+    assert bm.gpu.num_used == 0 and len(bm.gpu.cached) == 2   # free but revivable
 
     b = make_seq([*range(8), 50, 51])
     hit = bm.find_cached_prefix(b, len(b.token_ids) - 1)
     assert hit == first_blocks
     assert bm.num_revived(hit) == 2
     assert bm.use_cached_prefix(b, hit) == 8
-    assert bm.num_used_blocks == 2
+    assert bm.gpu.num_used == 2
 
     c = make_seq([0, 1, 2, 3, 60, 61, 62, 63, 64])
     assert bm.find_cached_prefix(c, 8) == first_blocks[:1]
@@ -137,7 +137,7 @@ def test_hash_collision_is_rejected_by_the_token_compare():
     bm = BlockManager(16, 4, BS, hash_fn=lambda parent, tokens: 42)   # everything collides
     a = make_seq([1, 2, 3, 4, 5])
     compute(bm, a)
-    assert bm.num_cached_blocks == 1
+    assert len(bm.gpu.cached) == 1
     other = make_seq([9, 9, 9, 9, 5], 1)
     assert bm.find_cached_prefix(other, 4) == []      # same hash, other tokens: a miss
     same = make_seq([1, 2, 3, 4, 5], 2)
@@ -164,7 +164,7 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
     compute(bm, b)
     bm.free(a)
     bm.free(b)
-    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 4
+    assert bm.num_free_blocks == 4 and len(bm.gpu.cached) == 4
     probe_a = make_seq(range(9), 2)
     assert len(bm.find_cached_prefix(probe_a, 8)) == 2
     # One new block evicts a's *last* block (a was freed first, its tail blocks first).
@@ -184,7 +184,7 @@ def test_swap_out_moves_a_block_shared_inside_a_group_once():
     group = [parent, child]
     assert bm.can_swap_out(group)
     pairs = bm.swap_out(group)
-    assert len(pairs) == 2 and bm.cpu.num_used == 2 and bm.num_used_blocks == 0
+    assert len(pairs) == 2 and bm.cpu.num_used == 2 and bm.gpu.num_used == 0
     assert parent.block_table == child.block_table        # CPU ids, still shared
     for s in group:
         s.status = SequenceStatus.SWAPPED
@@ -216,15 +216,15 @@ def test_contiguous_baseline_reserves_max_model_len_up_front():
     assert bm.blocks_for([(seq, 3)]) == 8
     compute(bm, seq)
     assert len(seq.block_table) == 8
-    assert bm.num_allocated_slots == 32 and bm.num_filled_slots == 3
+    assert bm.gpu.num_used * bm.block_size == 32 and bm.gpu.num_filled_slots == 3
     seq.token_ids.append(5)
     assert bm.blocks_for([(seq, 1)]) == 0
     compute(bm, seq, 1)
-    assert bm.num_used_blocks == 8 and bm.num_filled_slots == 4
+    assert bm.gpu.num_used == 8 and bm.gpu.num_filled_slots == 4
     child = make_seq(range(4), 1)
     pairs = bm.fork(seq, child)                       # no sharing: a copy of what is filled
     assert pairs == [[seq.block_table[0], child.block_table[0]]]
-    assert bm.num_used_blocks == 16
+    assert bm.gpu.num_used == 16
 
 
 def test_freeing_everything_leaves_no_block_in_use():
@@ -238,5 +238,5 @@ def test_freeing_everything_leaves_no_block_in_use():
         seqs.append(s)
     for s in seqs:
         bm.free(s)
-    assert bm.num_used_blocks == 0 and bm.num_logical_blocks == 0 and bm.num_filled_slots == 0
-    assert bm.num_cached_blocks > 0      # cached-but-unreferenced blocks count as free
+    assert bm.gpu.num_used == 0 and bm.gpu.num_refs == 0 and bm.gpu.num_filled_slots == 0
+    assert len(bm.gpu.cached) > 0      # cached-but-unreferenced blocks count as free

@@ -225,7 +225,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for fam in self.running + self.swapped:
             for s in fam:
                 self.bm.free(s)
-        assert self.bm.num_used_blocks == 0
+        assert self.bm.gpu.num_used == 0
         assert self.bm.gpu.num_refs == 0 and self.bm.gpu.num_filled_slots == 0
         assert self.bm.cpu.num_used == 0
 

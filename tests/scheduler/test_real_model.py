@@ -51,7 +51,7 @@ def run_to_end(sched: Scheduler, runner, reqs: list[GenerationRequest]) -> tuple
         plan = sched.schedule()
         result = runner.execute(plan)
         assert result.error is None, result.error
-        for out in sched.update(plan, result):
+        for out in sched.update(plan, result).request_outputs():
             for d in out.seqs:
                 tokens.setdefault((out.request_id, d.index), []).extend(d.token_ids)
                 if d.finish_reason:

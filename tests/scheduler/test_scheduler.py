@@ -47,7 +47,7 @@ class Engine:
         if plan is None:
             return None, []
         self.plans.append(plan)
-        outs = self.sched.update(plan, self.ex.execute(plan))
+        outs = self.sched.update(plan, self.ex.execute(plan)).request_outputs()
         for o in outs:
             self.outputs.setdefault(o.request_id, []).append(o)
         return plan, outs
@@ -391,7 +391,7 @@ def test_a_failed_step_takes_back_the_prefix_blocks_it_registered():
     e.add("a", prompt, max_tokens=3)
     plan = e.sched.schedule()
     e.ex.execute(plan)                      # the executors know seq a; the step then fails
-    (out,) = e.sched.update(plan, StepResult(plan.step_id, error="device lost"))
+    (out,) = e.sched.update(plan, StepResult(plan.step_id, error="device lost")).outputs
     assert out.error_code == 500 and e.sched.stats().gpu_blocks_cached == 0
     e.add("b", prompt, max_tokens=3)         # must compute its prompt: nothing was written
     e.run()
@@ -540,7 +540,7 @@ def test_an_executor_error_fails_the_requests_of_the_step():
     e = Engine()
     e.add("a", 5, max_tokens=5, n=2)
     plan = e.sched.schedule()
-    outs = e.sched.update(plan, StepResult(plan.step_id, error="CUDA out of memory"))
+    outs = e.sched.update(plan, StepResult(plan.step_id, error="CUDA out of memory")).outputs
     assert len(outs) == 1 and outs[0].error_code == 500 and "CUDA out of memory" in outs[0].error
     assert outs[0].finished and not e.sched.has_unfinished()
     assert e.sched.stats().gpu_blocks_used == 0
@@ -564,7 +564,7 @@ def test_a_result_without_a_token_for_every_sampling_row_fails_the_step():
     e = Engine()
     e.add("a", 5, max_tokens=5)
     plan = e.sched.schedule()
-    (out,) = e.sched.update(plan, StepResult(plan.step_id))
+    (out,) = e.sched.update(plan, StepResult(plan.step_id)).outputs
     assert out.error_code == 500 and "returned 0 tokens" in out.error and out.finished
     assert not e.sched.has_unfinished() and e.sched.stats().gpu_blocks_used == 0
 
@@ -597,7 +597,7 @@ def test_an_abort_while_a_plan_is_in_flight_drops_its_results():
     a_id = next(ns.seq_id for ns in plan.new_seqs if ns.request_id == "a")
     result = e.ex.execute(plan)
     assert e.sched.abort_request("a").finished
-    outs = e.sched.update(plan, result)
+    outs = e.sched.update(plan, result).request_outputs()
     assert [o.request_id for o in outs] == ["b"]
     plan, _ = e.step()
     assert plan.finished_seq_ids == [a_id] and a_id not in plan.seq_ids
@@ -622,7 +622,7 @@ def test_aborting_one_sequence_of_n_frees_it_and_the_others_go_on(in_flight):
     assert not out.finished
     assert e.sched.abort_seq("a", 1) is None                  # already stopped
     if in_flight:
-        outs = e.sched.update(plan, result)
+        outs = e.sched.update(plan, result).request_outputs()
         assert all(d.index != 1 for o in outs for d in o.seqs)    # its sample is dropped
         e.outputs["a"] += outs
     assert e.sched.stats().gpu_blocks_used < used                # its own blocks are free
