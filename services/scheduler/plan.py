@@ -17,7 +17,7 @@ prefill chunks that stop short of their sequence's end.
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.grammar import allowed_mask
+from services.scheduler.grammar import fill_masks
 from services.scheduler.sequence import Sequence
 from shared.messages import NewSeq, StepPlan
 
@@ -148,10 +148,9 @@ def add_bitmasks(plan: StepPlan, seqs: list[Sequence]) -> None:
     rows = [r for r in range(plan.num_sampling_rows) if seqs[r].matcher is not None]
     if not rows:
         return
-    masks = [allowed_mask(seqs[r].matcher, seqs[r].group.stop_ids) for r in rows]
+    plan.token_bitmask = fill_masks([seqs[r] for r in rows])
     plan.bitmask_rows = rows
-    plan.bitmask_words = len(masks[0]) // 4
-    plan.token_bitmask = b"".join(masks)
+    plan.bitmask_words = len(plan.token_bitmask) // (4 * len(rows))
 
 
 def _samples_last(row: tuple) -> bool:

@@ -30,7 +30,7 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.grammar import GrammarError, Grammars
+from services.scheduler.grammar import Grammars, admit_constrained
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.stats import SchedulerStats, scheduler_stats
@@ -60,7 +60,8 @@ class Scheduler:
             self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                               config.enable_prefix_caching)
         self.watermark_blocks = int(config.watermark * num_gpu_blocks)
-        self.grammars = Grammars(config.model)   # compiled on first use, cached by spec
+        self.grammars = Grammars(config.model)   # compiled off the step's path, cached by spec
+        self.refused: list[RequestOutput] = []   # ended at the queue's head (a bad grammar)
         self.groups: dict[str, SequenceGroup] = {}        # every unfinished request
         self.waiting: list[tuple[tuple, SequenceGroup]] = []   # heap; aborted entries skipped
         self.num_waiting = 0
@@ -97,25 +98,16 @@ class Scheduler:
         if req.request_id in self.groups:
             return
         check_admission(req, cfg, self.block_manager)
-        matcher = None
-        if sp.constraint is not None:
-            if sp.beam_width > 0:
-                raise AdmissionError("beam search cannot follow an output constraint "
-                                     "(response_format, structured_outputs, tools): drop one")
-            try:
-                matcher = self.grammars.matcher(sp.constraint)
-            except GrammarError as exc:
-                raise AdmissionError(str(exc)) from None
+        if sp.constraint is not None and sp.beam_width > 0:
+            raise AdmissionError("beam search cannot follow an output constraint "
+                                 "(response_format, structured_outputs, tools): drop one")
         order = self._next_order
         self._next_order += 1
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
-        for i in range(1 if group.is_beam else sp.n):
-            seq = self.new_seq(group, list(req.prompt_token_ids), L)
-            if matcher is not None:      # each sample follows the grammar on its own
-                seq.matcher = matcher if i == 0 else matcher.deep_copy()
-            group.seqs.append(seq)
+        for _ in range(1 if group.is_beam else sp.n):
+            group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group
@@ -178,6 +170,8 @@ class Scheduler:
         self._pending_finished = []
         self._preempted = False
         self._admit_below = None
+        for group in self.grammars.ready():    # compiled since: back into the queue
+            heapq.heappush(self.waiting, (group.sort_key, group))
         if (self.config.policy == "priority" and self.running and self.waiting
                 and not self.swapped):
             self._preempt_for_waiting(step)
@@ -188,6 +182,8 @@ class Scheduler:
                 self._schedule_waiting(step)
         if step.is_empty:
             self._pending_finished = step.finished_seq_ids
+            if self.grammars.wait():    # only a grammar compiles: wait for it, then admit
+                return self.schedule()
             return None
         self._step_id += 1
         plan, seqs = step.build(self._step_id)
@@ -244,6 +240,10 @@ class Scheduler:
                 return
             if self.num_running_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 return
+            if group.sampling.constraint is not None and group.seqs[0].matcher is None:
+                if not admit_constrained(self, group):  # compiling: the queue moves on
+                    heapq.heappop(waiting)
+                    continue
             cached, need = bm.blocks_to_admit(group, step.budget)
             if bm.num_free_blocks - need < self._headroom(group):
                 return
