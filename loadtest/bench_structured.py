@@ -11,6 +11,11 @@ tokens per request. Reported per batch size:
                    the bitmask in schedule(), advancing the matcher in update())
   exec ms/step     the executor's step time, both runs (the mask is applied in the sampler)
 
+--mask-only times the scheduler's part alone, per constrained sequence per step, on B
+matchers of the schema above walking random allowed tokens: llguidance filling every mask
+of the step at once (grammar.fill_masks: LLExecutor threads, no GIL, one buffer), against
+one compute_bitmask per sequence (the per-row path), and consuming the sampled tokens.
+
 --sampler-only times the executor's part alone: the Sampler on random [B, 49152] fp32 logits
 at temperature 1.0, with every row masked (a random half of the vocabulary allowed) and
 without, best of 20 alternating calls each.
@@ -19,7 +24,7 @@ Each pair runs --repeat times, alternating, and the best run of each kind is kep
 shared machine's noise only ever slows a run down).
 
     python loadtest/bench_structured.py [--batches 1,16,64] [--output-tokens 32]
-                                        [--repeat 2] [--json]
+                                        [--repeat 2] [--json] [--mask-only | --sampler-only]
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.grammar import Grammars, fill_masks  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
 from shared.messages import GenerationRequest, OutputConstraint, SamplingParams  # noqa: E402
 from shared.model_source import load_tokenizer, resolve_model  # noqa: E402
@@ -43,13 +49,15 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["notes"]
                                    "items": {"type": "string", "maxLength": 40}}}}
 
 
+GRAMMARS = Grammars()      # one cache for every run: compiled once, as a server holds it
+
+
 def run(runner: ModelRunner, prompt: list[int], batch: int, tokens: int,
         constraint: OutputConstraint | None) -> dict:
     cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=runner.max_model_len,
                           max_num_seqs=max(batch, 1))
     sched = Scheduler(cfg, runner.num_gpu_blocks, runner.num_cpu_blocks)
-    if constraint is not None:
-        sched.grammars.matcher(constraint)     # compiled once, as the cache would hold it
+    sched.grammars = GRAMMARS
     for i in range(batch):
         sched.add_request(GenerationRequest(f"r{i}", prompt, SamplingParams(
             temperature=1.0, seed=i, max_tokens=tokens, constraint=constraint)))
@@ -101,6 +109,45 @@ def sampler_cost(batches: list[int], vocab: int = 49152, calls: int = 20) -> lis
     return rows_out
 
 
+def mask_cost(batches: list[int], steps: int = 24) -> list[dict]:
+    """µs per constrained sequence per step: the batched fill, per-row masks, consume."""
+    import random
+    from types import SimpleNamespace
+
+    schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
+    group = SimpleNamespace(sampling=SamplingParams(constraint=schema), stop_ids=frozenset({2}))
+    template = GRAMMARS.compile(schema)
+    rng = random.Random(0)
+    out = []
+    for b in batches:
+        seqs = [SimpleNamespace(matcher=template.deep_copy(), group=group) for _ in range(b)]
+        t_fill = t_rows = t_consume = 0.0
+        for _ in range(steps):
+            t = time.perf_counter()
+            masks = fill_masks(seqs)
+            t_fill += time.perf_counter() - t
+            t = time.perf_counter()
+            for s in seqs:
+                bytes(s.matcher.compute_bitmask())
+                s.matcher.is_accepting()
+            t_rows += time.perf_counter() - t
+            width = len(masks) // b
+            picks = []
+            for k in range(b):
+                row = masks[k * width:(k + 1) * width]
+                allowed = [8 * i + j for i, byte in enumerate(row) if byte
+                           for j in range(8) if byte >> j & 1 and 8 * i + j != 2]
+                picks.append(rng.choice(allowed))
+            t = time.perf_counter()
+            for s, tok in zip(seqs, picks):
+                assert s.matcher.consume_token(tok)
+            t_consume += time.perf_counter() - t
+        per = 1e6 / (steps * b)
+        out.append({"batch": b, "fill_us": t_fill * per, "per_row_us": t_rows * per,
+                    "consume_us": t_consume * per})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -108,6 +155,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="executor CPU threads (0: all)")
     ap.add_argument("--sampler-only", action="store_true")
+    ap.add_argument("--mask-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.sampler_only:
@@ -119,6 +167,17 @@ def main() -> None:
         for r in rows:
             print(f"{r['batch']:>5} {r['free_ms']:>15.2f} {r['masked_ms']:>17.2f} "
                   f"{r['ratio']:>6.2f}")
+        return
+    if args.mask_only:
+        rows = mask_cost([int(x) for x in args.batches.split(",")])
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"{'batch':>5} {'fill_masks µs/seq':>17} {'per-row µs/seq':>14} "
+              f"{'consume µs/seq':>14}")
+        for r in rows:
+            print(f"{r['batch']:>5} {r['fill_us']:>17.1f} {r['per_row_us']:>14.1f} "
+                  f"{r['consume_us']:>14.1f}")
         return
     tok = load_tokenizer(resolve_model(None))
     prompt = tok.encode(tok.apply_chat_template(
