@@ -12,9 +12,9 @@ tokens per request. Reported per batch size:
   exec ms/step     the executor's step time, both runs (the mask is applied in the sampler)
 
 --mask-only times the scheduler's part alone, per constrained sequence per step, on B
-matchers of the schema above walking random allowed tokens: llguidance filling every mask
-of the step at once (grammar.fill_masks: LLExecutor threads, no GIL, one buffer), against
-one compute_bitmask per sequence (the per-row path), and consuming the sampled tokens.
+matchers of the schema above walking random allowed tokens: the step's masks filled by
+llguidance's LLExecutor threads into one buffer, row by row into one buffer (both ways of
+grammar.fill_masks), and as one bytes object per row joined; and consuming the tokens.
 
 --sampler-only times the executor's part alone: the Sampler on random [B, 49152] fp32 logits
 at temperature 1.0, with every row masked (a random half of the vocabulary allowed) and
@@ -109,42 +109,59 @@ def sampler_cost(batches: list[int], vocab: int = 49152, calls: int = 20) -> lis
     return rows_out
 
 
-def mask_cost(batches: list[int], steps: int = 24) -> list[dict]:
-    """µs per constrained sequence per step: the batched fill, per-row masks, consume."""
+def mask_cost(batches: list[int], steps: int = 48) -> list[dict]:
+    """µs per constrained sequence per step of each way to fill a step's masks, and of
+    consuming the sampled tokens. Each way has its own matchers, fed the same tokens; the
+    order of the ways rotates each step (the first to reach a new grammar state pays for
+    the lexer states that all copies then share)."""
     import random
     from types import SimpleNamespace
 
-    schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
-    group = SimpleNamespace(sampling=SamplingParams(constraint=schema), stop_ids=frozenset({2}))
-    template = GRAMMARS.compile(schema)
+    from services.scheduler import grammar
+
+    template = GRAMMARS.compile(OutputConstraint("json_schema", json.dumps(SCHEMA)))
+    group = SimpleNamespace(stop_ids=frozenset({2}))
+
+    def fill(rows: int, cores: int):
+        def go(seqs):
+            saved = grammar.PARALLEL_MIN_ROWS, grammar._CORES
+            grammar.PARALLEL_MIN_ROWS, grammar._CORES = rows, cores
+            try:
+                return fill_masks(seqs)
+            finally:
+                grammar.PARALLEL_MIN_ROWS, grammar._CORES = saved
+        return go
+
+    def per_row_bytes(seqs):               # a bytes object per row, joined
+        w = grammar._mask_bytes
+        return b"".join(bytes(s.matcher.compute_bitmask())[:w] for s in seqs)
+
+    ways = {"llexecutor": fill(0, 1 << 30), "per_row_ptr": fill(1 << 30, 1),
+            "per_row_bytes": per_row_bytes}
     rng = random.Random(0)
     out = []
     for b in batches:
-        seqs = [SimpleNamespace(matcher=template.deep_copy(), group=group) for _ in range(b)]
-        t_fill = t_rows = t_consume = 0.0
-        for _ in range(steps):
-            t = time.perf_counter()
-            masks = fill_masks(seqs)
-            t_fill += time.perf_counter() - t
-            t = time.perf_counter()
-            for s in seqs:
-                bytes(s.matcher.compute_bitmask())
-                s.matcher.is_accepting()
-            t_rows += time.perf_counter() - t
+        seqs = {k: [SimpleNamespace(matcher=template.deep_copy(), group=group)
+                    for _ in range(b)] for k in ways}
+        spent = dict.fromkeys([*ways, "consume"], 0.0)
+        for step in range(steps):
+            order = list(ways)[step % len(ways):] + list(ways)[:step % len(ways)]
+            for k in order:
+                t = time.perf_counter()
+                masks = ways[k](seqs[k])
+                spent[k] += time.perf_counter() - t
             width = len(masks) // b
-            picks = []
             for k in range(b):
                 row = masks[k * width:(k + 1) * width]
                 allowed = [8 * i + j for i, byte in enumerate(row) if byte
                            for j in range(8) if byte >> j & 1 and 8 * i + j != 2]
-                picks.append(rng.choice(allowed))
-            t = time.perf_counter()
-            for s, tok in zip(seqs, picks):
-                assert s.matcher.consume_token(tok)
-            t_consume += time.perf_counter() - t
-        per = 1e6 / (steps * b)
-        out.append({"batch": b, "fill_us": t_fill * per, "per_row_us": t_rows * per,
-                    "consume_us": t_consume * per})
+                tok = rng.choice(allowed)
+                for way, ss in seqs.items():
+                    t = time.perf_counter()
+                    assert ss[k].matcher.consume_token(tok)
+                    if way == "llexecutor":
+                        spent["consume"] += time.perf_counter() - t
+        out.append({"batch": b, **{k: 1e6 * v / (steps * b) for k, v in spent.items()}})
     return out
 
 
@@ -173,11 +190,11 @@ def main() -> None:
         if args.json:
             print(json.dumps(rows, indent=2))
             return
-        print(f"{'batch':>5} {'fill_masks µs/seq':>17} {'per-row µs/seq':>14} "
-              f"{'consume µs/seq':>14}")
+        print(f"{'batch':>5} {'llexecutor':>10} {'per-row ptr':>11} {'per-row bytes':>13} "
+              f"{'consume':>8}   (µs per constrained seq per step)")
         for r in rows:
-            print(f"{r['batch']:>5} {r['fill_us']:>17.1f} {r['per_row_us']:>14.1f} "
-                  f"{r['consume_us']:>14.1f}")
+            print(f"{r['batch']:>5} {r['llexecutor']:>10.1f} {r['per_row_ptr']:>11.1f} "
+                  f"{r['per_row_bytes']:>13.1f} {r['consume']:>8.1f}")
         return
     tok = load_tokenizer(resolve_model(None))
     prompt = tok.encode(tok.apply_chat_template(

@@ -17,8 +17,9 @@ Off the step's critical path:
 
 Compiling (the tokenizer's first load, ~0.5 s; a big schema's lexer, up to hundreds of ms)
 happens on one worker thread; llguidance drops the GIL while it builds, so steps go on.
-The masks of a step are filled by llguidance's LLExecutor on its own threads, without the
-GIL, straight into one buffer (no per-row Python bytes).
+The masks of a step are written by llguidance, without the GIL, straight into one buffer
+(no per-row Python bytes); a large batch on a many-core host fills them on LLExecutor's
+threads (fill_masks).
 
 llguidance has no torch or numpy dependency (the scheduler's wall), and is imported only
 when the first constrained request arrives. Compiled grammars are cached by (kind, spec):
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -47,7 +49,10 @@ _CACHE_SIZE = 256      # compiled grammars kept (distinct schemas are few in pra
 
 __all__ = ["GrammarError", "Grammars", "admit_constrained", "fill_masks", "load_tokenizer"]
 
-_executor = None       # llguidance.LLExecutor, made with the first mask
+_executor = None       # llguidance.LLExecutor, made with the first parallel fill
+_CORES = os.cpu_count() or 1
+PARALLEL_MIN_ROWS = 16        # constrained rows in a step before masks go to LLExecutor
+PARALLEL_MIN_CORES = 8
 _mask_bytes = 0       # one mask: 4 * ceil(vocab / 32), set when a tokenizer is loaded
 
 
@@ -198,18 +203,24 @@ def admit_constrained(core: Scheduler, group: SequenceGroup) -> bool:
 def fill_masks(seqs: list[Sequence]) -> bytes:
     """The bitmasks of the tokens each seq's matcher allows next, one after another
     (little-endian int32 words, `_mask_bytes` each). A seq's stop tokens are allowed exactly
-    when its grammar is complete (accepting). llguidance fills them on its own threads."""
-    import llguidance
-
+    when its grammar is complete (accepting). llguidance writes straight into one buffer,
+    without the GIL: on LLExecutor's threads for a large batch on a host with cores to
+    spare, else row by row on this thread (a thread hand-off costs more than a mask of
+    tens of µs when there are few rows or cores: loadtest/bench_structured.py --mask-only)."""
     global _executor
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
     width = _mask_bytes
     buf = bytearray(width * len(seqs))
-    # NOTE: the buffer outlives the call and is not resized while llguidance writes it.
+    # NOTE: the buffer outlives the calls and is not resized while llguidance writes it.
     addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
-    _executor.unsafe_compute_mask_ptr([(s.matcher, k) for k, s in enumerate(seqs)], addr,
-                                      width, len(seqs))
+    if len(seqs) >= PARALLEL_MIN_ROWS and _CORES >= PARALLEL_MIN_CORES:
+        if _executor is None:
+            import llguidance
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr([(s.matcher, k) for k, s in enumerate(seqs)], addr,
+                                          width, len(seqs))
+    else:
+        for k, s in enumerate(seqs):
+            s.matcher.unsafe_compute_mask_ptr(addr + k * width, width)
     n = width * 8
     for k, s in enumerate(seqs):
         base = k * width
