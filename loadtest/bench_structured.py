@@ -18,7 +18,7 @@ grammar.fill_masks), and as one bytes object per row joined; and consuming the t
 
 --sampler-only times the executor's part alone: the Sampler on random [B, 49152] fp32 logits
 at temperature 1.0, with every row masked (a random half of the vocabulary allowed) and
-without, best of 20 alternating calls each.
+without, and the mask's apply alone, best of 20 alternating calls each.
 
 Each pair runs --repeat times, alternating, and the best run of each kind is kept (a
 shared machine's noise only ever slows a run down).
@@ -97,14 +97,16 @@ def sampler_cost(batches: list[int], vocab: int = 49152, calls: int = 20) -> lis
         words = -(-vocab // 32)
         bits = torch.randint(-2**31, 2**31 - 1, (b, words), dtype=torch.int32)
         mask = TokenMask(list(range(b)), words, bits.numpy().tobytes())
-        best = {"free": float("inf"), "masked": float("inf")}
+        best = {"free": float("inf"), "masked": float("inf"), "apply": float("inf")}
         for _ in range(calls):
-            for kind, m in (("free", None), ("masked", mask)):
+            for kind, fn in (("free", lambda: sampler(logits, rows, None)),
+                             ("masked", lambda: sampler(logits, rows, mask)),
+                             ("apply", lambda: mask.apply(logits))):
                 t = time.perf_counter()
-                sampler(logits, rows, m)
+                fn()
                 best[kind] = min(best[kind], time.perf_counter() - t)
         rows_out.append({"batch": b, "free_ms": 1e3 * best["free"],
-                         "masked_ms": 1e3 * best["masked"],
+                         "masked_ms": 1e3 * best["masked"], "apply_ms": 1e3 * best["apply"],
                          "ratio": best["masked"] / best["free"]})
     return rows_out
 
@@ -180,10 +182,11 @@ def main() -> None:
         if args.json:
             print(json.dumps(rows, indent=2))
             return
-        print(f"{'batch':>5} {'sampler ms free':>15} {'sampler ms masked':>17} {'ratio':>6}")
+        print(f"{'batch':>5} {'sampler ms free':>15} {'sampler ms masked':>17} {'ratio':>6} "
+              f"{'mask apply ms':>13}")
         for r in rows:
             print(f"{r['batch']:>5} {r['free_ms']:>15.2f} {r['masked_ms']:>17.2f} "
-                  f"{r['ratio']:>6.2f}")
+                  f"{r['ratio']:>6.2f} {r['apply_ms']:>13.2f}")
         return
     if args.mask_only:
         rows = mask_cost([int(x) for x in args.batches.split(",")])

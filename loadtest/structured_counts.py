@@ -71,7 +71,7 @@ FORMAT = {"type": "json_schema",
 def stack_of(*extra: str) -> Stack:
     flags = ["serve", "--port", str(free_port()), "--grpc-port", str(free_port()),
              "--zmq-port", str(free_ports(2)), "--device", "cpu", "--dtype", "float32",
-             "--max-model-len", "256", "--max-num-seqs", "256", "--log-level", "warning",
+             "--max-model-len", "512", "--max-num-seqs", "256", "--log-level", "warning",
              *extra]
     return Stack(build_parser().parse_args(flags))
 
@@ -207,7 +207,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--tool-requests", type=int, default=20)
     ap.add_argument("--multi-turn", type=int, default=5)
-    ap.add_argument("--tiny-pool-blocks", type=int, default=24,
+    ap.add_argument("--tiny-pool-blocks", type=int, default=40,
                     help="KV blocks (16 tokens) of the preemption runs: one request fits")
     args = ap.parse_args()
     n, k = args.requests, args.tool_requests
