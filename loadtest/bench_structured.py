@@ -167,6 +167,15 @@ def mask_cost(batches: list[int], steps: int = 48) -> list[dict]:
     return out
 
 
+def _table(rows: list[dict], as_json: bool, cols: list[tuple[str, str]]) -> None:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'batch':>5} " + " ".join(f"{h:>{len(h)}}" for h, _ in cols))
+    for r in rows:
+        print(f"{r['batch']:>5} " + " ".join(f"{r[k]:>{len(h)}.2f}" for h, k in cols))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -177,27 +186,16 @@ def main() -> None:
     ap.add_argument("--mask-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
     if args.sampler_only:
-        rows = sampler_cost([int(x) for x in args.batches.split(",")])
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return
-        print(f"{'batch':>5} {'sampler ms free':>15} {'sampler ms masked':>17} {'ratio':>6} "
-              f"{'mask apply ms':>13}")
-        for r in rows:
-            print(f"{r['batch']:>5} {r['free_ms']:>15.2f} {r['masked_ms']:>17.2f} "
-                  f"{r['ratio']:>6.2f} {r['apply_ms']:>13.2f}")
+        _table(sampler_cost(batches), args.json, [
+            ("sampler ms free", "free_ms"), ("sampler ms masked", "masked_ms"),
+            ("ratio", "ratio"), ("mask apply ms", "apply_ms")])
         return
-    if args.mask_only:
-        rows = mask_cost([int(x) for x in args.batches.split(",")])
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return
-        print(f"{'batch':>5} {'llexecutor':>10} {'per-row ptr':>11} {'per-row bytes':>13} "
-              f"{'consume':>8}   (µs per constrained seq per step)")
-        for r in rows:
-            print(f"{r['batch']:>5} {r['llexecutor']:>10.1f} {r['per_row_ptr']:>11.1f} "
-                  f"{r['per_row_bytes']:>13.1f} {r['consume']:>8.1f}")
+    if args.mask_only:       # µs per constrained sequence per step
+        _table(mask_cost(batches), args.json, [
+            ("llexecutor µs", "llexecutor"), ("per-row ptr µs", "per_row_ptr"),
+            ("per-row bytes µs", "per_row_bytes"), ("consume µs", "consume")])
         return
     tok = load_tokenizer(resolve_model(None))
     prompt = tok.encode(tok.apply_chat_template(
@@ -209,7 +207,7 @@ def main() -> None:
     schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
     run(runner, prompt, 1, 4, schema)                # warm-up: kernels, tokenizer, grammar
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in batches:
         frees, conss = [], []
         for _ in range(args.repeat):
             frees.append(run(runner, prompt, b, args.output_tokens, None))
