@@ -163,11 +163,12 @@ class Grammars:
     def wait(self) -> bool:
         """Block until a held group's compile ends; False (at once) when none is held. For a
         scheduler with nothing else to run: its step would be empty anyway."""
-        jobs = [self._compiling.get((g.sampling.constraint.kind, g.sampling.constraint.spec))
-                for g in self.held]
         if not self.held:
             return False
-        wait([j for j in jobs if j is not None], return_when=FIRST_COMPLETED)
+        keys = {(g.sampling.constraint.kind, g.sampling.constraint.spec) for g in self.held
+                if g.status == SequenceStatus.WAITING}
+        wait([self._compiling[k] for k in keys if k in self._compiling],
+             return_when=FIRST_COMPLETED)
         return True
 
     def ready(self) -> list[SequenceGroup]:
