@@ -8,6 +8,7 @@ by swap and then by recompute. Every check prints how many of its outputs passed
     json n=4      the same, n = 4 per request
     json stream   the same, streamed (chunks joined)
     swap / recompute    the same on the tiny pool; the run fails unless preemptions happened
+                  (and blocks were swapped out exactly in the swap run)
     tools req / tools named    tool_choice "required" / a named function, temperature 1.0:
                   every call's arguments validate (jsonschema), finish_reason "tool_calls"
     tools stream  greedy, streamed with the SDK's stream helper and by accumulating deltas:
@@ -232,8 +233,9 @@ def main() -> int:
             c = client(url)
             check(mode, lambda i: json_outputs(c, i), n, results)
             preempted = _metric(url, "vllm:num_preemptions")
-            print(f"{'':<16} preemptions: {preempted:.0f}")
-            if preempted < 1:
+            swapped = _metric(url, "pagedserve:swapped_out_blocks")
+            print(f"{'':<16} preemptions: {preempted:.0f}, blocks swapped out: {swapped:.0f}")
+            if preempted < 1 or (swapped > 0) != (mode == "swap"):
                 results.append((f"{mode} preempted", 0, 1))
     failed = [r for r in results if r[1] != r[2]]
     print("all passed" if not failed else f"FAILED: {', '.join(r[0] for r in failed)}")
