@@ -131,3 +131,22 @@ def test_a_slow_compile_does_not_hold_up_other_requests_steps(runner, prompt, mo
     tokens, reasons = run_to_end(sched, runner, [])
     assert reasons[("json", 0)] == "stop"
     jsonschema.validate(json.loads(tok.decode(tokens[("json", 0)])), SCHEMA)
+
+
+def test_a_request_taken_over_mid_output_goes_on_from_its_grammar_state(runner, prompt):
+    """A scheduler that takes a request over starts its seqs from the tokens already
+    streamed (service._continue): the matchers consume them, and the rest completes them."""
+    tok, ids = prompt
+    sched = Scheduler(SchedulerConfig(block_size=runner.block_size, max_model_len=256), 256, 0)
+    sched.add_request(GenerationRequest("json", ids, SamplingParams(
+        temperature=0.0, max_tokens=60, stop_token_ids=[EOS],
+        constraint=OutputConstraint("json_schema", json.dumps(SCHEMA)))))
+    done = tok.encode('{"name": "Ann', add_special_tokens=False)
+    group = sched.groups["json"]
+    group.seqs[0].token_ids.extend(done)      # as service._continue does
+    group.first_output_sent = True
+    tokens, reasons = run_to_end(sched, runner, [])
+    assert reasons[("json", 0)] == "stop"
+    out = json.loads(tok.decode(done + tokens[("json", 0)]))
+    jsonschema.validate(out, SCHEMA)
+    assert out["name"].startswith("Ann")
