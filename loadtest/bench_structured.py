@@ -11,15 +11,20 @@ tokens per request. Reported per batch size:
                    the bitmask in schedule(), advancing the matcher in update())
   exec ms/step     the executor's step time, both runs (the mask is applied in the sampler)
 
+--mask-only times the scheduler's part alone, per constrained sequence per step, on B
+matchers of the schema above walking random allowed tokens: the step's masks filled by
+llguidance's LLExecutor threads into one buffer, row by row into one buffer (both ways of
+grammar.fill_masks), and as one bytes object per row joined; and consuming the tokens.
+
 --sampler-only times the executor's part alone: the Sampler on random [B, 49152] fp32 logits
 at temperature 1.0, with every row masked (a random half of the vocabulary allowed) and
-without, best of 20 alternating calls each.
+without, and the mask's apply alone, best of 20 alternating calls each.
 
 Each pair runs --repeat times, alternating, and the best run of each kind is kept (a
 shared machine's noise only ever slows a run down).
 
     python loadtest/bench_structured.py [--batches 1,16,64] [--output-tokens 32]
-                                        [--repeat 2] [--json]
+                                        [--repeat 2] [--json] [--mask-only | --sampler-only]
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.grammar import Grammars, fill_masks  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
 from shared.messages import GenerationRequest, OutputConstraint, SamplingParams  # noqa: E402
 from shared.model_source import load_tokenizer, resolve_model  # noqa: E402
@@ -43,13 +49,15 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["notes"]
                                    "items": {"type": "string", "maxLength": 40}}}}
 
 
+GRAMMARS = Grammars()      # one cache for every run: compiled once, as a server holds it
+
+
 def run(runner: ModelRunner, prompt: list[int], batch: int, tokens: int,
         constraint: OutputConstraint | None) -> dict:
     cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=runner.max_model_len,
                           max_num_seqs=max(batch, 1))
     sched = Scheduler(cfg, runner.num_gpu_blocks, runner.num_cpu_blocks)
-    if constraint is not None:
-        sched.grammars.matcher(constraint)     # compiled once, as the cache would hold it
+    sched.grammars = GRAMMARS
     for i in range(batch):
         sched.add_request(GenerationRequest(f"r{i}", prompt, SamplingParams(
             temperature=1.0, seed=i, max_tokens=tokens, constraint=constraint)))
@@ -89,16 +97,83 @@ def sampler_cost(batches: list[int], vocab: int = 49152, calls: int = 20) -> lis
         words = -(-vocab // 32)
         bits = torch.randint(-2**31, 2**31 - 1, (b, words), dtype=torch.int32)
         mask = TokenMask(list(range(b)), words, bits.numpy().tobytes())
-        best = {"free": float("inf"), "masked": float("inf")}
+        best = {"free": float("inf"), "masked": float("inf"), "apply": float("inf")}
         for _ in range(calls):
-            for kind, m in (("free", None), ("masked", mask)):
+            for kind, fn in (("free", lambda: sampler(logits, rows, None)),
+                             ("masked", lambda: sampler(logits, rows, mask)),
+                             ("apply", lambda: mask.apply(logits))):
                 t = time.perf_counter()
-                sampler(logits, rows, m)
+                fn()
                 best[kind] = min(best[kind], time.perf_counter() - t)
         rows_out.append({"batch": b, "free_ms": 1e3 * best["free"],
-                         "masked_ms": 1e3 * best["masked"],
+                         "masked_ms": 1e3 * best["masked"], "apply_ms": 1e3 * best["apply"],
                          "ratio": best["masked"] / best["free"]})
     return rows_out
+
+
+def mask_cost(batches: list[int], steps: int = 48) -> list[dict]:
+    """µs per constrained sequence per step of each way to fill a step's masks, and of
+    consuming the sampled tokens. Each way has its own matchers, fed the same tokens; the
+    order of the ways rotates each step (the first to reach a new grammar state pays for
+    the lexer states that all copies then share)."""
+    import random
+    from types import SimpleNamespace
+
+    from services.scheduler import grammar
+
+    template = GRAMMARS.compile(OutputConstraint("json_schema", json.dumps(SCHEMA)))
+    group = SimpleNamespace(stop_ids=frozenset({2}))
+
+    def fill(rows: int, cores: int):
+        def go(seqs):
+            saved = grammar.PARALLEL_MIN_ROWS, grammar._CORES
+            grammar.PARALLEL_MIN_ROWS, grammar._CORES = rows, cores
+            try:
+                return fill_masks(seqs)
+            finally:
+                grammar.PARALLEL_MIN_ROWS, grammar._CORES = saved
+        return go
+
+    def per_row_bytes(seqs):               # a bytes object per row, joined
+        w = grammar._mask_bytes
+        return b"".join(bytes(s.matcher.compute_bitmask())[:w] for s in seqs)
+
+    ways = {"llexecutor": fill(0, 1 << 30), "per_row_ptr": fill(1 << 30, 1),
+            "per_row_bytes": per_row_bytes}
+    rng = random.Random(0)
+    out = []
+    for b in batches:
+        seqs = {k: [SimpleNamespace(matcher=template.deep_copy(), group=group)
+                    for _ in range(b)] for k in ways}
+        spent = dict.fromkeys([*ways, "consume"], 0.0)
+        for step in range(steps):
+            order = list(ways)[step % len(ways):] + list(ways)[:step % len(ways)]
+            for k in order:
+                t = time.perf_counter()
+                masks = ways[k](seqs[k])
+                spent[k] += time.perf_counter() - t
+            width = len(masks) // b
+            for k in range(b):
+                row = masks[k * width:(k + 1) * width]
+                allowed = [8 * i + j for i, byte in enumerate(row) if byte
+                           for j in range(8) if byte >> j & 1 and 8 * i + j != 2]
+                tok = rng.choice(allowed)
+                for way, ss in seqs.items():
+                    t = time.perf_counter()
+                    assert ss[k].matcher.consume_token(tok)
+                    if way == "llexecutor":
+                        spent["consume"] += time.perf_counter() - t
+        out.append({"batch": b, **{k: 1e6 * v / (steps * b) for k, v in spent.items()}})
+    return out
+
+
+def _table(rows: list[dict], as_json: bool, cols: list[tuple[str, str]]) -> None:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'batch':>5} " + " ".join(f"{h:>{len(h)}}" for h, _ in cols))
+    for r in rows:
+        print(f"{r['batch']:>5} " + " ".join(f"{r[k]:>{len(h)}.2f}" for h, k in cols))
 
 
 def main() -> None:
@@ -108,17 +183,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="executor CPU threads (0: all)")
     ap.add_argument("--sampler-only", action="store_true")
+    ap.add_argument("--mask-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
     if args.sampler_only:
-        rows = sampler_cost([int(x) for x in args.batches.split(",")])
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return
-        print(f"{'batch':>5} {'sampler ms free':>15} {'sampler ms masked':>17} {'ratio':>6}")
-        for r in rows:
-            print(f"{r['batch']:>5} {r['free_ms']:>15.2f} {r['masked_ms']:>17.2f} "
-                  f"{r['ratio']:>6.2f}")
+        _table(sampler_cost(batches), args.json, [
+            ("sampler ms free", "free_ms"), ("sampler ms masked", "masked_ms"),
+            ("ratio", "ratio"), ("mask apply ms", "apply_ms")])
+        return
+    if args.mask_only:       # µs per constrained sequence per step
+        _table(mask_cost(batches), args.json, [
+            ("llexecutor µs", "llexecutor"), ("per-row ptr µs", "per_row_ptr"),
+            ("per-row bytes µs", "per_row_bytes"), ("consume µs", "consume")])
         return
     tok = load_tokenizer(resolve_model(None))
     prompt = tok.encode(tok.apply_chat_template(
@@ -130,7 +207,7 @@ def main() -> None:
     schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
     run(runner, prompt, 1, 4, schema)                # warm-up: kernels, tokenizer, grammar
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in batches:
         frees, conss = [], []
         for _ in range(args.repeat):
             frees.append(run(runner, prompt, b, args.output_tokens, None))

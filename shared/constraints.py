@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     import llguidance
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
+# Whitespace a JSON schema's output may hold between two tokens of JSON: none, one space,
+# or one newline and an indent of up to 12 (pretty-printed JSON fits). llguidance's default
+# allows any run of whitespace, and a sampled small model can then write newlines until
+# max_tokens. A schema's own "x-guidance" options override this.
+JSON_WHITESPACE = r"(\n[ \t]{0,12}| )?"
 
 
 class GrammarError(ValueError):
@@ -28,7 +33,8 @@ def grammar_text(constraint: OutputConstraint) -> str:
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                spec, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":

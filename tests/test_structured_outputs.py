@@ -128,18 +128,23 @@ def test_sdk_parse_with_a_pydantic_model(client):
     assert isinstance(city, City) and city.name
 
 
-def _streamed_calls(client, **kw) -> tuple[list[dict], str]:
+def _streamed_calls(client, **kw) -> tuple[list[dict], str, int]:
+    """The calls assembled from the deltas, the finish reason, and how many deltas came."""
     calls: dict[int, dict] = {}
     reason = None
+    pieces = 0
     for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
         for c in chunk.choices:
             reason = c.finish_reason or reason
             for tc in c.delta.tool_calls or []:
+                if tc.index not in calls:         # the first delta names the call
+                    assert tc.id and tc.type == "function" and tc.function.name
                 entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
                 entry["id"] += tc.id or ""
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
-    return [calls[i] for i in sorted(calls)], reason
+                pieces += 1
+    return [calls[i] for i in sorted(calls)], reason, pieces
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
@@ -156,11 +161,15 @@ def test_required_and_named_tool_calls_validate_streamed_and_not(client, choice)
         jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
     if isinstance(choice, dict):
         assert [call.function.name for call in c.message.tool_calls] == ["add"]
-    streamed, reason = _streamed_calls(client, **kw)
+    want = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    streamed, reason, pieces = _streamed_calls(client, **kw)
     assert reason == "tool_calls"
-    assert ([(s["name"], s["arguments"]) for s in streamed]
-            == [(t.function.name, t.function.arguments) for t in c.message.tool_calls])
+    assert [(s["name"], s["arguments"]) for s in streamed] == want
     assert all(s["id"].startswith("call_") for s in streamed)
+    assert pieces > 2 * len(want)        # the arguments stream as the model writes them
+    with client.beta.chat.completions.stream(model=MODEL, **kw) as s:    # the SDK's helper
+        final = s.get_final_completion().choices[0]
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == want
     # sampled: the grammar still holds
     sampled = client.chat.completions.create(model=MODEL, n=3, seed=5,
                                              **dict(kw, temperature=1.0))

@@ -57,10 +57,14 @@ class TokenMask:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of `logits` [R, V] whose masked rows have -inf where the grammar bans.
 
-        The packed bytes go to the device as they are and are unpacked there by one table
-        lookup (byte -> its 8 "banned" flags), 8x less to copy than a bool mask; little-endian
-        words make byte i hold tokens 8i..8i+7, bit k token 8i+k. Tokens past the mask's
-        width (logits padded beyond the tokenizer's vocabulary) are banned."""
+        The packed bytes go to the device as they are (8x less to copy than a bool mask)
+        and are unpacked there by one row gather from a [256, 8] table of additive masks
+        (byte v -> 0.0 where bit k of v is set, -inf where not), added to the logits:
+        little-endian words make byte i hold tokens 8i..8i+7, bit k token 8i+k. x + 0.0 is
+        x, so an allowed logit is never changed. Tokens past the mask's width (logits
+        padded beyond the tokenizer's vocabulary) are banned.
+        NOTE: index_select of table rows is ~10x faster on the CPU than indexing a bool
+        table with the bytes and a torch.where (both one op on CUDA)."""
         n, vocab = len(self.rows), logits.shape[1]
         dev = logits.device
         nbytes = -(-vocab // 8)
@@ -68,25 +72,28 @@ class TokenMask:
         if packed.shape[1] < nbytes:
             packed = torch.nn.functional.pad(packed, (0, nbytes - packed.shape[1]))
         packed = packed[:, :nbytes].to(dev, non_blocking=True)
-        banned = _banned_bits(dev)[packed.long()].view(n, 8 * nbytes)[:, :vocab]
+        add = _additive_bits(dev, logits.dtype).index_select(0, packed.reshape(-1).int())
+        add = add.view(n, 8 * nbytes)[:, :vocab]
         if self.rows == list(range(logits.shape[0])):
-            return torch.where(banned, float("-inf"), logits)
+            return logits + add
         x = logits.clone()
         at = torch.tensor(self.rows, device=dev)
-        x[at] = torch.where(banned, float("-inf"), x[at])
+        x[at] = x[at] + add
         return x
 
 
-_BANNED_BITS: dict[torch.device, torch.Tensor] = {}
+_ADDITIVE_BITS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _banned_bits(device: torch.device) -> torch.Tensor:
-    """Bool [256, 8]: entry [v, k] is True when bit k of byte v is 0 (token banned)."""
-    table = _BANNED_BITS.get(device)
+def _additive_bits(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8] of `dtype`: entry [v, k] is 0 when bit k of byte v is set (token allowed),
+    -inf when it is not."""
+    table = _ADDITIVE_BITS.get((device, dtype))
     if table is None:
         v = torch.arange(256, dtype=torch.int32)[:, None]
-        table = _BANNED_BITS[device] = (((v >> torch.arange(8, dtype=torch.int32)) & 1) == 0
-                                        ).to(device)
+        banned = ((v >> torch.arange(8, dtype=torch.int32)) & 1) == 0
+        table = _ADDITIVE_BITS[(device, dtype)] = torch.where(
+            banned, float("-inf"), 0.0).to(device=device, dtype=dtype)
     return table
 
 

@@ -41,6 +41,10 @@ class PromptBuilder:
             from tokenizers import Tokenizer
             self._rust_text = Tokenizer.from_str(self._rust.to_str())
             self._rust_text.encode_special_tokens = True
+        # Any added-token string (the special tokens among them): request text that holds
+        # one and that a template writes outside a content is marked (tools.guard_strings).
+        added = sorted(getattr(tokenizer, "get_added_vocab", dict)(), key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, added)) or r"(?!)")
 
     def token_ids(self, v: Any, param: str, allow_empty: bool = False,
                   limit: int | None = None) -> list[int]:
@@ -113,14 +117,21 @@ class PromptBuilder:
             raise bad("continue_final_message needs an assistant message last",
                       "continue_final_message")
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_OWN}
+
+        def mark(s: str) -> str:          # request text the template writes: text, like contents
+            contents.append(s)
+            return f"\ue000{len(contents) - 1}\ue001"
+
         if "tools" in (getattr(self.tokenizer, "chat_template", None) or ""):
             if tools is not None:
-                extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
-            msgs = [dict(m, tool_calls=[{"type": "function", "function": c}
-                                        for c in m["tool_calls"]]) if "tool_calls" in m else m
-                    for m in msgs]
+                extra["tools"] = tool_calls.guard_strings(
+                    [{"type": "function", "function": f} for f in tools.functions],
+                    self._special, mark)
+            msgs = [dict(m, tool_calls=[{"type": "function", "function": tool_calls.guard_strings(
+                        c, self._special, mark)} for c in m["tool_calls"]])
+                    if "tool_calls" in m else m for m in msgs]
         else:
-            msgs = tool_calls.fallback_messages(msgs, tools)
+            msgs = tool_calls.fallback_messages(msgs, tools, mark)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 msgs, tokenize=False, add_generation_prompt=add_generation_prompt,

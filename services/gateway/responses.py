@@ -15,7 +15,7 @@ import json
 
 from services.gateway.detokenizer import TokenVocab
 from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
-from services.gateway.tools import CallParser, call_id
+from services.gateway.tools import CallParser, message_calls, stream_entries
 from shared.messages import StreamHeader, TokenLogprob
 
 _FLOOR = -9999.0
@@ -111,11 +111,11 @@ class Shapes:
                 parser = self.parsers.setdefault(d.index, CallParser())
                 content, calls = parser.feed(d.text)
                 if reason is not None:
-                    content += parser.finish()
+                    rest, more = parser.finish()
+                    content, calls = content + rest, calls + more
                 c["delta"] = {"content": content} if content else {}
                 if calls:
-                    c["delta"]["tool_calls"] = self._tool_calls(
-                        d.index, calls, parser.num_calls - len(calls), streamed=True)
+                    c["delta"]["tool_calls"] = stream_entries(self.base["id"], d.index, calls)
                 reason = _calls_reason(reason, parser.num_calls)
             elif self.chat:
                 c["delta"] = {"content": d.text} if d.text else {}
@@ -138,17 +138,6 @@ class Shapes:
             body["usage"] = usage
         return body
 
-    def _tool_calls(self, choice: int, calls: list[dict], first: int = 0,
-                    streamed: bool = False) -> list[dict]:
-        """OpenAI's tool_calls entries (streamed ones carry their index among the choice's
-        calls, as the SDK's accumulator expects)."""
-        out = []
-        for k, call in enumerate(calls, first):
-            entry = {"id": call_id(self.base["id"], choice, k), "type": "function",
-                     "function": call}
-            out.append({"index": k, **entry} if streamed else entry)
-        return out
-
     def usage_chunk(self, procs: list[OutputProcessor]) -> dict:
         return dict(self.base, choices=[], usage=usage_of(procs))
 
@@ -169,12 +158,13 @@ class Shapes:
                 reason = c.finish_reason
                 if self.calls:
                     parser = CallParser()
-                    content, calls = parser.feed(merged.text)
-                    content += parser.finish()
+                    content = parser.feed(merged.text)[0] + parser.finish()[0]
+                    calls = parser.calls
                     choice["message"] = {"role": "assistant", "content": content}
                     if calls:
                         choice["message"]["content"] = content or None
-                        choice["message"]["tool_calls"] = self._tool_calls(merged.index, calls)
+                        choice["message"]["tool_calls"] = message_calls(self.base["id"],
+                                                                        merged.index, calls)
                     reason = _calls_reason(reason, len(calls))
                 elif self.chat:
                     choice["message"] = {"role": "assistant", "content": merged.text}

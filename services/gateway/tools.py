@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from services.gateway.validation import Fields, bad, kind
 from shared.messages import OutputConstraint
@@ -129,9 +130,13 @@ def system_prompt(tools: Tools) -> str:
             f'{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}')
 
 
-def fallback_messages(msgs: list[dict], tools: Tools | None) -> list[dict]:
+def fallback_messages(msgs: list[dict], tools: Tools | None, mark: Callable[[str], str]
+                      ) -> list[dict]:
     """Messages for a template without tool support: tools in the system message, past
-    calls as tool-call blocks in the assistant's text, tool results as Hermes writes them."""
+    calls as tool-call blocks in the assistant's text, tool results as Hermes writes them.
+    Every text that comes from the request (tool descriptions and schemas, past calls'
+    names and arguments) goes in as `mark(text)`, so it is tokenized as text like a message
+    content: a special-token string in it never becomes a control token."""
     out = []
     for m in msgs:
         m = dict(m)
@@ -139,17 +144,32 @@ def fallback_messages(msgs: list[dict], tools: Tools | None) -> list[dict]:
         m.pop("tool_call_id", None)
         if calls:
             blocks = "\n".join(f"{OPEN}\n{json.dumps(c)}\n{CLOSE}" for c in calls)
-            m["content"] = (m["content"] + "\n" if m["content"] else "") + blocks
+            m["content"] += mark("\n" + blocks)
         if m["role"] == "tool":
             m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
         out.append(m)
     if tools is not None:
-        sys = system_prompt(tools)
+        sys = mark(system_prompt(tools))
         if out and out[0]["role"] == "system":
             out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + sys)
         else:
             out.insert(0, {"role": "system", "content": sys})
     return out
+
+
+def guard_strings(v: Any, special: re.Pattern, mark: Callable[[str], str]) -> Any:
+    """`v` (tools or call arguments for a template that renders them) with every string
+    that holds a special-token string replaced by a mark of its JSON-escaped text: such
+    templates write tools and arguments with `tojson`, and the mark's text is then
+    tokenized as text. Strings without one are left as they are."""
+    if isinstance(v, str):
+        return mark(json.dumps(v, ensure_ascii=False)[1:-1]) if special.search(v) else v
+    if isinstance(v, dict):
+        return {guard_strings(k, special, mark): guard_strings(x, special, mark)
+                for k, x in v.items()}
+    if isinstance(v, list):
+        return [guard_strings(x, special, mark) for x in v]
+    return v
 
 
 def history_calls(v: Any, where: str) -> list[dict]:
@@ -177,66 +197,139 @@ def call_id(response_id: str, choice: int, k: int) -> str:
     return "call_" + hashlib.sha1(f"{response_id}:{choice}:{k}".encode()).hexdigest()[:24]
 
 
+# The start of a call as the grammar (and Hermes) writes it: once this much of a block is
+# in, the call's name is known and the rest, up to the block's last "}", is its arguments.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of one tool call, as it streams: the first piece of a call carries its name
+    (and `arguments` "" or the start of them), later ones argument fragments only."""
+    index: int                 # the call's index among the choice's calls
+    name: str | None           # set on the call's first piece only
+    arguments: str
+
+
 class CallParser:
     """One choice's output text → content and tool calls, incrementally.
 
     Text outside tool-call blocks is content, released as soon as it cannot be the start of
-    a block; a block becomes a call when it closes. A block that does not parse as
-    {"name", "arguments"} stays content."""
+    a block. A block that starts `{"name": "...", "arguments": ` (the grammar's form) is a
+    call from then on: its name goes out at once and its arguments as the model writes them,
+    each fragment ending before any "}" and whitespace that may be the object's own close;
+    the block's last "}" ends them. A block of another shape becomes a call when it closes
+    and parses as {"name", "arguments"}, else it stays content. `calls` holds every call so
+    far, whole: feeding the text in one piece or a token at a time gives the same calls."""
 
-    __slots__ = ("pending", "inside", "num_calls")
+    __slots__ = ("pending", "inside", "calls", "_start", "_sent")
 
     def __init__(self) -> None:
-        self.pending = ""
+        self.pending = ""          # outside: held text that may open a block; inside: the body
         self.inside = False
-        self.num_calls = 0
+        self.calls: list[dict] = []       # {"name", "arguments"} of each call so far
+        self._start = -1           # inside a call: where its arguments start in the body
+        self._sent = 0             # characters of its arguments already given out
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """The content and the call pieces that `text` completes."""
         self.pending += text
-        content, calls = [], []
+        content: list[str] = []
+        deltas: list[CallDelta] = []
         while True:
             if self.inside:
                 end = self.pending.find(CLOSE)
                 if end < 0:
+                    self._stream(self.pending, deltas, final=False)
                     break
                 body, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
-                self.inside = False
-                call = _call(body)
-                if call is None:
-                    content.append(OPEN + body + CLOSE)
-                else:
-                    calls.append(call)
-                    self.num_calls += 1
+                self._close(body, content, deltas)
                 continue
             start = self.pending.find(OPEN)
             if start >= 0:
                 content.append(self._outside(self.pending[:start]))
                 self.pending = self.pending[start + len(OPEN):]
-                self.inside = True
+                self.inside, self._start, self._sent = True, -1, 0
                 continue
-            keep = _partial_open(self.pending)
+            keep = _partial(self.pending, OPEN)
             content.append(self._outside(self.pending[:len(self.pending) - keep]))
             self.pending = self.pending[len(self.pending) - keep:]
             break
-        return "".join(content), calls
+        return "".join(content), deltas
+
+    def _stream(self, body: str, deltas: list[CallDelta], final: bool) -> None:
+        """Give out what is new of the open block's call (announcing it when its head is in)."""
+        if self._start < 0:
+            m = _HEAD.match(body)
+            if m is None or m.end() == len(body):    # (more whitespace may follow the head)
+                return
+            name = _unquote(m.group(1))
+            if name is None:
+                return
+            self._start = m.end()
+            self.calls.append({"name": name, "arguments": ""})
+            deltas.append(CallDelta(len(self.calls) - 1, name, ""))
+        args = body[self._start:] if final else body[self._start:len(body) - _partial(body, CLOSE)]
+        args = args.rstrip()
+        if args.endswith("}"):                   # maybe the object's own close: not yet
+            args = args[:-1].rstrip()
+        if len(args) > self._sent:
+            k = len(self.calls) - 1
+            self.calls[k]["arguments"] = args
+            if deltas and deltas[-1].index == k:
+                deltas[-1].arguments += args[self._sent:]
+            else:
+                deltas.append(CallDelta(k, None, args[self._sent:]))
+            self._sent = len(args)
+
+    def _close(self, body: str, content: list[str], deltas: list[CallDelta]) -> None:
+        self.inside = False
+        self._stream(body, deltas, final=True)
+        if self._start >= 0:
+            return
+        call = _call(body)
+        if call is None:
+            content.append(OPEN + body + CLOSE)
+        else:
+            self.calls.append(call)
+            deltas.append(CallDelta(len(self.calls) - 1, call["name"], call["arguments"]))
 
     def _outside(self, text: str) -> str:
         """Whitespace between and after calls is not content."""
-        return "" if self.num_calls and not text.strip() else text
+        return "" if self.calls and not text.strip() else text
 
-    def finish(self) -> str:
-        """Content still held back when the output ends (an unclosed block is content)."""
-        rest = (OPEN if self.inside else "") + self.pending
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """What is still held back when the output ends: an unclosed block is content, or
+        the rest of its call's arguments when its head was in (a call cut by max_tokens)."""
+        deltas: list[CallDelta] = []
+        rest = ""
+        if self.inside:
+            self._stream(self.pending, deltas, final=True)
+            if self._start < 0:
+                rest = OPEN + self.pending
+        else:
+            rest = self.pending
         self.pending, self.inside = "", False
-        return self._outside(rest)
+        return self._outside(rest), deltas
 
 
-def _partial_open(s: str) -> int:
-    """Length of the longest suffix of s that is a proper prefix of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(s)), 0, -1):
-        if OPEN.startswith(s[-n:]):
+def _partial(s: str, tag: str) -> int:
+    """Length of the longest suffix of s that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(s)), 0, -1):
+        if tag.startswith(s[-n:]):
             return n
     return 0
+
+
+def _unquote(s: str) -> str | None:
+    try:
+        return json.loads(f'"{s}"')
+    except ValueError:
+        return None
 
 
 def _call(body: str) -> dict | None:
@@ -248,3 +341,25 @@ def _call(body: str) -> dict | None:
             or not isinstance(obj.get("arguments", {}), dict)):
         return None
     return {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}
+
+
+def stream_entries(response_id: str, choice: int, deltas: list[CallDelta]) -> list[dict]:
+    """OpenAI's streamed `delta.tool_calls`: a call's first entry carries its index, id, type
+    and name, later ones the index and an argument fragment (the SDK's accumulator appends
+    fragments by index)."""
+    out = []
+    for d in deltas:
+        fn = {"arguments": d.arguments}
+        entry: dict = {"index": d.index}
+        if d.name is not None:
+            entry.update(id=call_id(response_id, choice, d.index), type="function")
+            fn = {"name": d.name, "arguments": d.arguments}
+        entry["function"] = fn
+        out.append(entry)
+    return out
+
+
+def message_calls(response_id: str, choice: int, calls: list[dict]) -> list[dict]:
+    """OpenAI's `message.tool_calls` of a whole response."""
+    return [{"id": call_id(response_id, choice, k), "type": "function", "function": dict(c)}
+            for k, c in enumerate(calls)]

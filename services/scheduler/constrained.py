@@ -1,7 +1,8 @@
 """Where a grammar meets the step: the three hooks of a constrained request's life.
 
-    admission   attach_matchers   each sequence gets its own matcher (grammar.py compiles and
-                                  caches the grammar; n samples follow it independently)
+    admission   grammar.admit_constrained   each sequence gets its own matcher once its
+                                  grammar is compiled (off the step's path, cached by spec;
+                                  n samples follow it independently)
     plan        add_bitmasks      each constrained row that samples ships the bitmask of the
                                   tokens its matcher allows next (StepPlan.token_bitmask)
     result      consume           the sampled token advances the matcher; it says whether
@@ -10,27 +11,9 @@
 """
 from __future__ import annotations
 
-from services.scheduler.admission import AdmissionError
-from services.scheduler.grammar import GrammarError, Grammars, allowed_mask
-from services.scheduler.sequence import Sequence, SequenceGroup
+from services.scheduler.grammar import fill_masks
+from services.scheduler.sequence import Sequence
 from shared.messages import StepPlan
-
-
-def attach_matchers(grammars: Grammars, group: SequenceGroup) -> None:
-    """Give every seq of a constrained request its matcher. Raises AdmissionError for a
-    grammar that does not compile, or a constraint on a beam search."""
-    sp = group.sampling
-    if sp.constraint is None:
-        return
-    if sp.beam_width > 0:
-        raise AdmissionError("beam search cannot follow an output constraint "
-                             "(response_format, structured_outputs, tools): drop one")
-    try:
-        matcher = grammars.matcher(sp.constraint)
-    except GrammarError as exc:
-        raise AdmissionError(str(exc)) from None
-    for i, seq in enumerate(group.seqs):
-        seq.matcher = matcher if i == 0 else matcher.deep_copy()
 
 
 def add_bitmasks(plan: StepPlan, seqs: list[Sequence]) -> None:
@@ -40,10 +23,9 @@ def add_bitmasks(plan: StepPlan, seqs: list[Sequence]) -> None:
     rows = [r for r in range(plan.num_sampling_rows) if seqs[r].matcher is not None]
     if not rows:
         return
-    masks = [allowed_mask(seqs[r].matcher, seqs[r].group.stop_ids) for r in rows]
+    plan.token_bitmask = fill_masks([seqs[r] for r in rows])
     plan.bitmask_rows = rows
-    plan.bitmask_words = len(masks[0]) // 4
-    plan.token_bitmask = b"".join(masks)
+    plan.bitmask_words = len(plan.token_bitmask) // (4 * len(rows))
 
 
 def consume(seq: Sequence, token: int) -> str | None:

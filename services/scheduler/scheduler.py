@@ -31,8 +31,7 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, block_manager_for
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.constrained import attach_matchers
-from services.scheduler.grammar import Grammars
+from services.scheduler.grammar import Grammars, admit_constrained
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.priority import victims_for
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -56,7 +55,8 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self._new_pool(num_gpu_blocks, num_cpu_blocks)
-        self.grammars = Grammars(config.model)   # compiled on first use, cached by spec
+        self.grammars = Grammars(config.model)   # compiled off the step's path, cached by spec
+        self.refused: list[RequestOutput] = []   # ended at the queue's head (a bad grammar)
         self.groups: dict[str, SequenceGroup] = {}        # every unfinished request
         self.waiting: list[tuple[tuple, SequenceGroup]] = []   # heap; aborted entries skipped
         self.num_waiting = 0
@@ -93,6 +93,9 @@ class Scheduler:
         if req.request_id in self.groups:
             return
         check_admission(req, cfg, self.block_manager)
+        if sp.constraint is not None and sp.beam_width > 0:
+            raise AdmissionError("beam search cannot follow an output constraint "
+                                 "(response_format, structured_outputs, tools): drop one")
         order = self._next_order
         self._next_order += 1
         key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
@@ -100,7 +103,6 @@ class Scheduler:
         group.max_len = min(group.max_len, cfg.max_model_len)
         for _ in range(1 if group.is_beam else sp.n):
             group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
-        attach_matchers(self.grammars, group)
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group
@@ -163,6 +165,8 @@ class Scheduler:
         self._pending_finished = []
         self._preempted = False
         self._admit_below = None
+        for group in self.grammars.ready():    # compiled since: back into the queue
+            heapq.heappush(self.waiting, (group.sort_key, group))
         if (self.config.policy == "priority" and self.running and self.waiting
                 and not self.swapped):
             self._preempt_for_waiting(step)
@@ -173,6 +177,8 @@ class Scheduler:
                 self._schedule_waiting(step)
         if step.is_empty:
             self._pending_finished = step.finished_seq_ids
+            if self.grammars.wait():    # only a grammar compiles: wait for it, then admit
+                return self.schedule()
             return None
         self._step_id += 1
         plan, seqs = step.build(self._step_id)
@@ -229,6 +235,10 @@ class Scheduler:
                 return
             if self.num_running_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 return
+            if group.sampling.constraint is not None and group.seqs[0].matcher is None:
+                if not admit_constrained(self, group):  # compiling: the queue moves on
+                    heapq.heappop(waiting)
+                    continue
             cached, need = bm.blocks_to_admit(group, step.budget)
             if bm.num_free_blocks - need < self._headroom(group):
                 return

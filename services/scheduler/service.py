@@ -213,6 +213,9 @@ class SchedulerService:
             self._next_reclaim = time.monotonic() + 5.0
             self.recovery.reclaim_pending()
         plan = self.sched.schedule()
+        if self.sched.refused:                   # a grammar that failed to compile
+            self._emit(self.sched.refused)
+            self.sched.refused = []
         if plan is None:
             # Idle: no plan renews the lease, and a restarted executor goes unnoticed.
             if time.monotonic() - self.owner.last_renew >= 1.0 and not self.owner.check():

@@ -12,13 +12,20 @@ TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city"
 
 
 def _run(pieces):
+    """(content, calls assembled from the pieces as the SDK does, the parser's own calls)."""
     p = CallParser()
-    content, calls = "", []
-    for piece in pieces:
-        c, k = p.feed(piece)
+    content, calls = "", {}
+    for piece in [*pieces, None]:
+        c, deltas = p.feed(piece) if piece is not None else p.finish()
         content += c
-        calls += k
-    return content + p.finish(), calls
+        for d in deltas:
+            if d.name is not None:
+                assert d.index not in calls          # the name comes once, first
+                calls[d.index] = {"name": d.name, "arguments": ""}
+            calls[d.index]["arguments"] += d.arguments
+    assembled = [calls[k] for k in sorted(calls)]
+    assert assembled == p.calls
+    return content, assembled
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, len(TEXT)])
@@ -46,3 +53,16 @@ def test_a_named_tool_choice_is_a_one_call_grammar_and_unknown_names_are_refused
     assert parse({"tools": tools, "tool_choice": "none"}) is None
     with pytest.raises(ApiError, match="not among tools"):
         parse({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}})
+
+
+def test_arguments_stream_as_the_model_writes_them_not_at_the_blocks_close():
+    p = CallParser()
+    c, deltas = p.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1')
+    assert c == "" and [(d.index, d.name) for d in deltas] == [(0, "add")]
+    assert "".join(d.arguments for d in deltas) == '{"a": 1'
+    _, deltas = p.feed(', "b": 2}')
+    assert "".join(d.arguments for d in deltas) == ', "b": 2'   # the "}" may be the call's own
+    _, deltas = p.feed('}\n</tool_call>\n')
+    assert [(d.name, d.arguments) for d in deltas] == [(None, "}")]
+    assert p.calls == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
+    assert p.finish() == ("", [])

@@ -5,6 +5,7 @@ model's own greedy tokens must not change them."""
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -88,12 +89,64 @@ def _escape(text: str) -> str:
     return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in text)
 
 
-def test_a_grammar_that_does_not_compile_is_refused_at_admission(runner):
+def test_a_grammar_that_does_not_compile_ends_its_request_with_a_400(runner):
     cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=256)
     sched = Scheduler(cfg, 64, 0)
-    with pytest.raises(AdmissionError, match="regex"):
-        sched.add_request(GenerationRequest("bad", [1, 2], SamplingParams(
-            constraint=OutputConstraint("regex", "[0-9"))))
     with pytest.raises(AdmissionError, match="beam"):
         sched.add_request(GenerationRequest("beam", [1, 2], SamplingParams(
             beam_width=2, constraint=OutputConstraint("regex", "a+"))))
+    sched.add_request(GenerationRequest("bad", [1, 2], SamplingParams(
+        constraint=OutputConstraint("regex", "[0-9"))))
+    assert sched.schedule() is None        # (waits for the compile: nothing else to run)
+    [out] = sched.refused
+    assert out.finished and out.error_code == 400 and "regex" in out.error
+    assert not sched.has_unfinished()
+
+
+def test_a_slow_compile_does_not_hold_up_other_requests_steps(runner, prompt, monkeypatch):
+    """The grammar compiles on the worker thread while the queue moves on: an unconstrained
+    request runs to its end while a constrained one's compile is blocked."""
+    tok, ids = prompt
+    cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=256,
+                          enable_prefix_caching=False)
+    sched = Scheduler(cfg, 256, 0)
+    gate = threading.Event()
+    real = sched.grammars.compile
+    monkeypatch.setattr(sched.grammars, "compile", lambda c: gate.wait(60) and real(c))
+    schema = OutputConstraint("json_schema", json.dumps(SCHEMA))
+    sched.add_request(GenerationRequest("json", ids, SamplingParams(
+        temperature=0.0, max_tokens=60, stop_token_ids=[EOS], constraint=schema)))
+    sched.add_request(GenerationRequest("free", ids, SamplingParams(
+        temperature=0.0, max_tokens=8), arrival_time=1.0))
+    held = sched.groups["json"].seqs[0]
+    steps = 0
+    while "free" in sched.groups:
+        plan = sched.schedule()
+        assert held.seq_id not in plan.seq_ids
+        for out in sched.update(plan, runner.execute(plan)):
+            assert out.request_id == "free"
+        steps += 1
+    assert steps >= 8 and held.matcher is None          # its grammar is still compiling
+    gate.set()
+    tokens, reasons = run_to_end(sched, runner, [])
+    assert reasons[("json", 0)] == "stop"
+    jsonschema.validate(json.loads(tok.decode(tokens[("json", 0)])), SCHEMA)
+
+
+def test_a_request_taken_over_mid_output_goes_on_from_its_grammar_state(runner, prompt):
+    """A scheduler that takes a request over starts its seqs from the tokens already
+    streamed (service._continue): the matchers consume them, and the rest completes them."""
+    tok, ids = prompt
+    sched = Scheduler(SchedulerConfig(block_size=runner.block_size, max_model_len=256), 256, 0)
+    sched.add_request(GenerationRequest("json", ids, SamplingParams(
+        temperature=0.0, max_tokens=60, stop_token_ids=[EOS],
+        constraint=OutputConstraint("json_schema", json.dumps(SCHEMA)))))
+    done = tok.encode('{"name": "Ann', add_special_tokens=False)
+    group = sched.groups["json"]
+    group.seqs[0].token_ids.extend(done)      # as service._continue does
+    group.first_output_sent = True
+    tokens, reasons = run_to_end(sched, runner, [])
+    assert reasons[("json", 0)] == "stop"
+    out = json.loads(tok.decode(done + tokens[("json", 0)]))
+    jsonschema.validate(out, SCHEMA)
+    assert out["name"].startswith("Ann")
