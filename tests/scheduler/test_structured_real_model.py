@@ -123,7 +123,7 @@ def test_a_slow_compile_does_not_hold_up_other_requests_steps(runner, prompt, mo
     while "free" in sched.groups:
         plan = sched.schedule()
         assert held.seq_id not in plan.seq_ids
-        for out in sched.update(plan, runner.execute(plan)):
+        for out in sched.update(plan, runner.execute(plan)).request_outputs():
             assert out.request_id == "free"
         steps += 1
     assert steps >= 8 and held.matcher is None          # its grammar is still compiling
