@@ -36,7 +36,7 @@ import zmq
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import result_error
-from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
+from services.scheduler.redis_link import ClaimLost, Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
 from services.scheduler.snapshot import DashboardPublisher
@@ -199,6 +199,7 @@ class SchedulerService:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
         self.link.ensure_group()
+        self.link.hold_claim()
         self._reclaim_pending(include_self=True)
         self._beat(force=True)
         while not self._stop:
@@ -207,10 +208,11 @@ class SchedulerService:
                     self._iterate()
                 except ExecutorLost as exc:
                     self._recover(str(exc), executor_alive=False)
-            except ExecutorTaken as exc:
-                # Another scheduler owns the executor now: publish nothing more. What this
-                # one held is pending in Redis under its name; the owner takes it over once
-                # this heartbeat is stale, and continues each request from its stream.
+            except (ExecutorTaken, ClaimLost) as exc:
+                # Another scheduler owns the executor, or took over this one's requests:
+                # publish nothing more. What this one still holds is pending in Redis under
+                # its name; another takes it over once this heartbeat is stale, and
+                # continues each request from its stream.
                 log.critical("fenced, stopping without publishing: %s", exc)
                 return 3
             except redis.ResponseError as exc:
@@ -224,7 +226,7 @@ class SchedulerService:
                 time.sleep(0.5)
         try:
             self._redis_round(block_ms=0)
-        except redis.RedisError:
+        except (redis.RedisError, ClaimLost):
             pass
         return 0
 
@@ -416,8 +418,13 @@ class SchedulerService:
             log.warning("Redis unreachable (%s); %d outputs held", exc, len(outputs))
             time.sleep(max(block_ms, 100) / 1000)
             return
-        del self.pending_outputs[:len(outputs)]
-        del self.to_ack[:len(acks)]
+        if inbound.out_of_memory:
+            # Held until Redis has room; gateways answer 503 meanwhile (their writes fail too).
+            log.warning("Redis is out of memory (maxmemory); %d outputs held", len(outputs))
+            time.sleep(0.2)
+        else:
+            del self.pending_outputs[:len(outputs)]
+            del self.to_ack[:len(acks)]
         self._take(inbound)
         if read and want and not inbound.requests and block_ms and not self.sched.has_unfinished():
             self._take(self.link.wait_for_requests(want, block_ms))
