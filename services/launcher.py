@@ -42,13 +42,25 @@ _COMMON = [
 _GATEWAY = [
     ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
     ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
-    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 and /dashboard (empty: open)"),
+    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1, /tokenize, /detokenize and /dashboard (empty: open)"),
     ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int,
      "unfinished requests (waiting or running, over all gateways) before 429"),
     ("--served-model-name", "PAGEDSERVE_SERVED_MODEL_NAME", None, "names",
      "names clients may pass as model (space- or comma-separated; the first is echoed)"),
     ("--resume-grace-s", "PAGEDSERVE_RESUME_GRACE_S", 30.0, float,
      "a resumable stream's request keeps running this long after its client drops"),
+    ("--header-timeout-s", "PAGEDSERVE_HEADER_TIMEOUT_S", 10.0, float,
+     "a connection's request headers must be complete this soon, else it is cut"),
+    ("--body-timeout-s", "PAGEDSERVE_BODY_TIMEOUT_S", 30.0, float,
+     "a request body must arrive this soon, else 408"),
+    ("--send-timeout-s", "PAGEDSERVE_SEND_TIMEOUT_S", 30.0, float,
+     "a response write blocked this long on a client that does not read cuts it"),
+    ("--limit-concurrency", "PAGEDSERVE_LIMIT_CONCURRENCY", 2048, int,
+     "open connections of one gateway; beyond, new requests get 503"),
+    ("--key-max-requests", "PAGEDSERVE_KEY_MAX_REQUESTS", 0, int,
+     "open requests of one API key (or client address) before 429 (0: no limit)"),
+    ("--key-max-tokens", "PAGEDSERVE_KEY_MAX_TOKENS", 0, int,
+     "tokens (prompt + max_tokens per sequence) one key's open requests may hold (0: no limit)"),
 ]
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
@@ -252,10 +264,12 @@ def _run_service(args) -> int:
         import uvicorn
 
         from services.gateway.app import create_app
+        from services.gateway.limits import uvicorn_options
         cfg = gateway_config(args)
         uvicorn.run(create_app(cfg), host=args.host, port=args.port,
                     log_level=args.log_level.lower(), access_log=False,
-                    timeout_graceful_shutdown=5)   # open streams must not hold up a stop
+                    timeout_graceful_shutdown=5,   # open streams must not hold up a stop
+                    **uvicorn_options(cfg))
     return 0
 
 
