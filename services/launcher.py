@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -229,6 +230,26 @@ def gateway_config(args):
 
 # ---------------------------------------------------------------- service entry points
 
+PRIVATE_REDIS_MAXMEMORY = "1gb"   # serve's own Redis: queued requests and TTL'd outputs
+MIN_REDIS = (7, 0)     # XINFO GROUPS `lag` (the 429 back-pressure), Lua script flags
+
+
+def redis_too_old(url: str) -> str | None:
+    """One line saying why the Redis at `url` is too old, or None (also when it does not
+    answer yet: the services wait for it)."""
+    import redis
+    try:
+        version = redis.Redis.from_url(url, socket_timeout=5,
+                                       socket_connect_timeout=5).info("server")["redis_version"]
+    except redis.RedisError:
+        return None
+    if tuple(int(x) for x in str(version).split(".")[:2]) >= MIN_REDIS:
+        return None
+    where = url.split("://", 1)[-1].split("@")[-1]      # never echo a password
+    return (f"Redis {version} at {where} is too old: pagedserve needs Redis "
+            f"{MIN_REDIS[0]} or newer")
+
+
 def _run_service(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -259,9 +280,15 @@ def _run_service(args) -> int:
                     proc.kill()
     elif args.command == "scheduler":
         from services.scheduler.service import run
+        if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
+            print(f"pagedserve scheduler: {too_old}", file=sys.stderr)
+            return 2
         return run(scheduler_config(args))
     elif args.command == "gateway":
         import uvicorn
+        if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
+            print(f"pagedserve gateway: {too_old}", file=sys.stderr)
+            return 2
 
         from services.gateway.app import create_app
         from services.gateway.limits import uvicorn_options
@@ -457,15 +484,23 @@ class Stack:
             port = free_port()
             proc = self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1",
                                          "--save", "", "--appendonly", "no", "--dir", self.tmp,
+                                         # full: writes are refused (503), nothing evicted
+                                         "--maxmemory", PRIVATE_REDIS_MAXMEMORY,
+                                         "--maxmemory-policy", "noeviction",
                                          "--loglevel", "warning",
                                          # its start-up banner would mix into our stdout
                                          "--logfile", os.path.join(self.tmp, "redis.log")])
             a.redis_url = f"redis://127.0.0.1:{port}/0"
             import redis
             self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
+        if (too_old := redis_too_old(a.redis_url)):
+            raise RuntimeError(too_old)
         # Secrets travel in the environment, never on a command line (/proc/*/cmdline is
         # readable by every local user).
-        env = dict(os.environ, REDIS_URL=a.redis_url, PAGEDSERVE_API_KEYS=a.api_keys or "")
+        # The executor's control token: made here for this stack unless one is given.
+        env = dict(os.environ, REDIS_URL=a.redis_url, PAGEDSERVE_API_KEYS=a.api_keys or "",
+                   PAGEDSERVE_CONTROL_TOKEN=os.environ.get("PAGEDSERVE_CONTROL_TOKEN")
+                   or secrets.token_hex(16))
         common = [sys.executable, "-m", "services.launcher"]
         grpc_addr = f"127.0.0.1:{a.grpc_port}"
         a.executor = grpc_addr
