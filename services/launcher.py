@@ -660,9 +660,30 @@ def _serve(args) -> int:
         stack.stop()
 
 
+REDIS_PASSWORD_ENV = "PAGEDSERVE_REDIS_PASSWORD"
+
+
+def with_password(url: str | None) -> str | None:
+    """`url` with the password of PAGEDSERVE_REDIS_PASSWORD (environment only: a secret never
+    goes on a command line) when it names none itself."""
+    password = os.environ.get(REDIS_PASSWORD_ENV)
+    if not url or not password:
+        return url
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc:
+        return url
+    netloc = f":{urllib.parse.quote(password, safe='')}@{parts.netloc}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.command == "serve" and not args.redis_url:
+        os.environ.pop(REDIS_PASSWORD_ENV, None)     # its private Redis has none
+    elif hasattr(args, "redis_url"):
+        args.redis_url = with_password(args.redis_url or "redis://127.0.0.1:6379/0")
     if args.command == "serve":
         return _serve(args)
     if args.command == "healthcheck":

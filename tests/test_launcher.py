@@ -141,3 +141,12 @@ def test_a_redis_older_than_7_is_refused_in_one_line(service):
     assert done.returncode == 2
     assert done.stderr.strip() == (f"pagedserve {service}: Redis 6.2.14 at 127.0.0.1:{port}/0 "
                                    "is too old: pagedserve needs Redis 7 or newer")
+
+
+def test_the_redis_password_comes_from_the_environment_into_the_url(monkeypatch):
+    from services.launcher import with_password
+    monkeypatch.setenv("PAGEDSERVE_REDIS_PASSWORD", "p@ss/word")
+    assert with_password("redis://redis:6379/0") == "redis://:p%40ss%2Fword@redis:6379/0"
+    assert with_password("redis://:other@redis:6379/0") == "redis://:other@redis:6379/0"
+    monkeypatch.delenv("PAGEDSERVE_REDIS_PASSWORD")
+    assert with_password("redis://redis:6379/0") == "redis://redis:6379/0"
