@@ -72,9 +72,9 @@ class Inbound:
     # client is answered with an error instead of waiting forever
     refused: list[tuple[str, str]] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
-    # Redis refused the round's writes (over its maxmemory): nothing was published or
-    # acknowledged, the caller keeps them for the next round
-    out_of_memory: bool = False
+    # Why nothing of the round's outputs and acks was written (Redis over its maxmemory,
+    # or restarted without the script): the caller keeps them for the next round
+    held: str | None = None
 
 
 @dataclass(slots=True)
@@ -107,7 +107,7 @@ class RedisLink:
         self.name = name                 # this scheduler's consumer name
         # This process's claim on the requests read under `name` (set by hold_claim).
         self.token = f"{name}/{uuid.uuid4().hex}"
-        self._publish = client.register_script(_PUBLISH)
+        self._publish_sha: str | None = None     # loaded on first use (and after a restart)
         self.abort_cursor = "0"          # every scheduler reads every abort
         # Redis server time minus this host's (s), measured by every round: heartbeats are
         # written and compared in the server's clock, so hosts' clocks need not agree.
@@ -142,8 +142,7 @@ class RedisLink:
         """Publish, acknowledge, beat, then (when `read`) read aborts and up to `want` new
         requests, in one round trip. Raises redis.ConnectionError / TimeoutError when Redis
         is unreachable: then nothing was taken, and the caller keeps its outputs and acks;
-        the same when Redis is out of memory (inbound.out_of_memory), but what was read is
-        taken. Raises ClaimLost when another scheduler took this one's requests over."""
+        the same when Redis is out of memory (inbound.held), but what was read is taken. Raises ClaimLost when another scheduler took this one's requests over."""
         pipe = self.redis.pipeline(transaction=False)
         handlers: list[Callable | None] = []
 
@@ -160,7 +159,11 @@ class RedisLink:
             args = [self.token, CONSUMER_GROUP, MSG_FIELD, len(outputs)]
             for out in outputs:
                 args += [encode(out), FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S]
-            queue(self._publish, keys=keys, args=args + acks, client=pipe,
+            if self._publish_sha is None:
+                self._publish_sha = self.redis.script_load(_PUBLISH)
+            # NOTE: EVALSHA on the pipeline, not a registered Script: redis-py would check
+            # that the script exists in an extra round trip before every round.
+            queue(pipe.evalsha, self._publish_sha, len(keys), *keys, *args, *acks,
                   handler=self._check_claim)
         if beat is not None:
             self._queue_beat(queue, pipe, beat)
@@ -179,7 +182,10 @@ class RedisLink:
                 log.warning("request group vanished (Redis restarted?); recreating it")
                 self.ensure_group()
             elif isinstance(reply, redis.OutOfMemoryError):
-                inbound.out_of_memory = True
+                inbound.held = "Redis is out of memory (maxmemory)"
+            elif isinstance(reply, redis.exceptions.NoScriptError):
+                self._publish_sha = None         # Redis restarted: loaded again next round
+                inbound.held = "the publishing script was not loaded (Redis restarted?)"
             elif isinstance(reply, Exception):
                 raise reply
             elif handler is not None:

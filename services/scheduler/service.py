@@ -418,9 +418,9 @@ class SchedulerService:
             log.warning("Redis unreachable (%s); %d outputs held", exc, len(outputs))
             time.sleep(max(block_ms, 100) / 1000)
             return
-        if inbound.out_of_memory:
-            # Held until Redis has room; gateways answer 503 meanwhile (their writes fail too).
-            log.warning("Redis is out of memory (maxmemory); %d outputs held", len(outputs))
+        if inbound.held:
+            # Held until Redis takes them; gateways answer 503 meanwhile when it is full.
+            log.warning("%s; %d outputs held", inbound.held, len(outputs))
             time.sleep(0.2)
         else:
             del self.pending_outputs[:len(outputs)]

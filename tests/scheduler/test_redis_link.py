@@ -93,7 +93,7 @@ def test_a_scheduler_whose_requests_were_taken_over_publishes_nothing_more(redis
     assert stalled.redis.xlen(stalled.keys.output("b")) == 1
 
 
-def test_redis_out_of_memory_holds_a_rounds_writes_and_still_reads(redis_server):
+def test_a_round_redis_refuses_out_of_memory_or_restarted_is_held_whole(redis_server):
     link = _link(redis_server)
     link.hold_claim()
     _enqueue(link, "a")
@@ -101,10 +101,16 @@ def test_redis_out_of_memory_holds_a_rounds_writes_and_still_reads(redis_server)
     try:
         got = link.round([RequestOutput("x", [SeqDelta(0, [5])])], [], Heartbeat(1.0),
                          want=8)
-        assert got.out_of_memory
+        assert got.held == "Redis is out of memory (maxmemory)"
         assert not link.redis.exists(link.keys.output("x"))       # nothing half-written
         assert [r.request_id for _, r in got.requests] == ["a"]   # what it read is taken
     finally:
         link.redis.config_set("maxmemory", 0)
     got = link.round([RequestOutput("x", [SeqDelta(0, [5])])], [], Heartbeat(1.0))
-    assert not got.out_of_memory and link.redis.xlen(link.keys.output("x")) == 1
+    assert got.held is None and link.redis.xlen(link.keys.output("x")) == 1
+    # Redis restarted (its scripts gone): the round is held, the next one publishes
+    link.redis.script_flush()
+    got = link.round([RequestOutput("x", [SeqDelta(0, [6])])], [], None, read=False)
+    assert got.held and link.redis.xlen(link.keys.output("x")) == 1
+    got = link.round([RequestOutput("x", [SeqDelta(0, [6])])], [], None, read=False)
+    assert got.held is None and link.redis.xlen(link.keys.output("x")) == 2
