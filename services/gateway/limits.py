@@ -55,8 +55,11 @@ class _Deadlines:
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_headers()           # the next request on this connection
+        # The next request on this connection, unless one was already parsed (pipelined):
+        # self.cycle is the latest request whose headers are complete.
+        if not self.transport.is_closing() and (self.cycle is None
+                                                or self.cycle.response_complete):
+            self._arm_headers()
 
     def pause_writing(self) -> None:
         super().pause_writing()

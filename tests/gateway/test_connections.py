@@ -216,3 +216,16 @@ def test_200_clients_that_never_read_are_reaped_and_others_are_served(gateway_pr
     assert _in_flight(port) == 0
     # what 200 stuck clients cost the gateway is bounded: buffers of 16 KiB + the transport's
     assert rss_stuck - rss_before < 150, (rss_before, rss_stuck)
+
+
+def test_a_kept_alive_connection_serves_requests_longer_than_the_header_timeout(gateway_proc):
+    """The header deadline covers waiting for headers only: a connection that keeps sending
+    whole requests, slower in total than the deadline, is not cut."""
+    _proc, port, _sched = gateway_proc
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < HEADER_TIMEOUT_S * 2.5:
+            assert c.get("/ping").status_code == 200
+            time.sleep(HEADER_TIMEOUT_S / 4)
+        assert c.get("/ping").status_code == 200
+        assert len(c._transport._pool.connections) == 1       # one connection all along
