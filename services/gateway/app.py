@@ -159,7 +159,8 @@ class Gateway:
             raise bad(f"X-Request-Id {client_id!r} was already used for a request whose "
                       "stream has not expired: send a new id", "X-Request-Id",
                       "duplicate_request_id")
-        key, cost = _client_key(request), request_cost(parsed.requests)
+        key = _client_key(request, bool(self.config.api_keys))
+        cost = request_cost(parsed.requests)
         self.budgets.take(key, cost)
         try:
             stream = await self._enqueue(parsed, client_id)
@@ -350,10 +351,11 @@ class GuardAndCount:
             self.gw.metrics.observe(_route_of(path), status)
 
 
-def _client_key(request: Request) -> str:
-    """Whose budget a request counts against: its Bearer token, else its address."""
+def _client_key(request: Request, keyed: bool) -> str:
+    """Whose budget a request counts against: its Bearer token when the gateway checks keys
+    (`keyed`; the token was checked), else its address (a made-up token would dodge it)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
+    if keyed and scheme.lower() == "bearer" and token.strip():
         return "key:" + token.strip()
     return "addr:" + (request.client.host if request.client else "?")
 
