@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -42,13 +43,25 @@ _COMMON = [
 _GATEWAY = [
     ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
     ("--port", "PAGEDSERVE_PORT", 8000, int, "gateway port"),
-    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1 and /dashboard (empty: open)"),
+    ("--api-keys", "PAGEDSERVE_API_KEYS", "", str, "comma-separated Bearer keys for /v1, /tokenize, /detokenize and /dashboard (empty: open)"),
     ("--max-queue", "PAGEDSERVE_MAX_QUEUE", 1024, int,
      "unfinished requests (waiting or running, over all gateways) before 429"),
     ("--served-model-name", "PAGEDSERVE_SERVED_MODEL_NAME", None, "names",
      "names clients may pass as model (space- or comma-separated; the first is echoed)"),
     ("--resume-grace-s", "PAGEDSERVE_RESUME_GRACE_S", 30.0, float,
      "a resumable stream's request keeps running this long after its client drops"),
+    ("--header-timeout-s", "PAGEDSERVE_HEADER_TIMEOUT_S", 10.0, float,
+     "a connection's request headers must be complete this soon, else it is cut"),
+    ("--body-timeout-s", "PAGEDSERVE_BODY_TIMEOUT_S", 30.0, float,
+     "a request body must arrive this soon, else 408"),
+    ("--send-timeout-s", "PAGEDSERVE_SEND_TIMEOUT_S", 30.0, float,
+     "a response write blocked this long on a client that does not read cuts it"),
+    ("--limit-concurrency", "PAGEDSERVE_LIMIT_CONCURRENCY", 2048, int,
+     "open connections of one gateway; beyond, new requests get 503"),
+    ("--key-max-requests", "PAGEDSERVE_KEY_MAX_REQUESTS", 0, int,
+     "open requests of one API key (or client address) before 429 (0: no limit)"),
+    ("--key-max-tokens", "PAGEDSERVE_KEY_MAX_TOKENS", 0, int,
+     "tokens (prompt + max_tokens per sequence) one key's open requests may hold (0: no limit)"),
 ]
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
@@ -217,6 +230,26 @@ def gateway_config(args):
 
 # ---------------------------------------------------------------- service entry points
 
+PRIVATE_REDIS_MAXMEMORY = "1gb"   # serve's own Redis: queued requests and TTL'd outputs
+MIN_REDIS = (7, 0)     # XINFO GROUPS `lag` (the 429 back-pressure), Lua script flags
+
+
+def redis_too_old(url: str) -> str | None:
+    """One line saying why the Redis at `url` is too old, or None (also when it does not
+    answer yet: the services wait for it)."""
+    import redis
+    try:
+        version = redis.Redis.from_url(url, socket_timeout=5,
+                                       socket_connect_timeout=5).info("server")["redis_version"]
+    except redis.RedisError:
+        return None
+    if tuple(int(x) for x in str(version).split(".")[:2]) >= MIN_REDIS:
+        return None
+    where = url.split("://", 1)[-1].split("@")[-1]      # never echo a password
+    return (f"Redis {version} at {where} is too old: pagedserve needs Redis "
+            f"{MIN_REDIS[0]} or newer")
+
+
 def _run_service(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -247,15 +280,23 @@ def _run_service(args) -> int:
                     proc.kill()
     elif args.command == "scheduler":
         from services.scheduler.service import run
+        if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
+            print(f"pagedserve scheduler: {too_old}", file=sys.stderr)
+            return 2
         return run(scheduler_config(args))
     elif args.command == "gateway":
         import uvicorn
+        if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
+            print(f"pagedserve gateway: {too_old}", file=sys.stderr)
+            return 2
 
         from services.gateway.app import create_app
+        from services.gateway.limits import uvicorn_options
         cfg = gateway_config(args)
         uvicorn.run(create_app(cfg), host=args.host, port=args.port,
                     log_level=args.log_level.lower(), access_log=False,
-                    timeout_graceful_shutdown=5)   # open streams must not hold up a stop
+                    timeout_graceful_shutdown=5,   # open streams must not hold up a stop
+                    **uvicorn_options(cfg))
     return 0
 
 
@@ -443,15 +484,23 @@ class Stack:
             port = free_port()
             proc = self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1",
                                          "--save", "", "--appendonly", "no", "--dir", self.tmp,
+                                         # full: writes are refused (503), nothing evicted
+                                         "--maxmemory", PRIVATE_REDIS_MAXMEMORY,
+                                         "--maxmemory-policy", "noeviction",
                                          "--loglevel", "warning",
                                          # its start-up banner would mix into our stdout
                                          "--logfile", os.path.join(self.tmp, "redis.log")])
             a.redis_url = f"redis://127.0.0.1:{port}/0"
             import redis
             self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
+        if (too_old := redis_too_old(a.redis_url)):
+            raise RuntimeError(too_old)
         # Secrets travel in the environment, never on a command line (/proc/*/cmdline is
         # readable by every local user).
-        env = dict(os.environ, REDIS_URL=a.redis_url, PAGEDSERVE_API_KEYS=a.api_keys or "")
+        # The executor's control token: made here for this stack unless one is given.
+        env = dict(os.environ, REDIS_URL=a.redis_url, PAGEDSERVE_API_KEYS=a.api_keys or "",
+                   PAGEDSERVE_CONTROL_TOKEN=os.environ.get("PAGEDSERVE_CONTROL_TOKEN")
+                   or secrets.token_hex(16))
         common = [sys.executable, "-m", "services.launcher"]
         grpc_addr = f"127.0.0.1:{a.grpc_port}"
         a.executor = grpc_addr
@@ -611,9 +660,30 @@ def _serve(args) -> int:
         stack.stop()
 
 
+REDIS_PASSWORD_ENV = "PAGEDSERVE_REDIS_PASSWORD"
+
+
+def with_password(url: str | None) -> str | None:
+    """`url` with the password of PAGEDSERVE_REDIS_PASSWORD (environment only: a secret never
+    goes on a command line) when it names none itself."""
+    password = os.environ.get(REDIS_PASSWORD_ENV)
+    if not url or not password:
+        return url
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc:
+        return url
+    netloc = f":{urllib.parse.quote(password, safe='')}@{parts.netloc}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.command == "serve" and not args.redis_url:
+        os.environ.pop(REDIS_PASSWORD_ENV, None)     # its private Redis has none
+    elif hasattr(args, "redis_url"):
+        args.redis_url = with_password(args.redis_url or "redis://127.0.0.1:6379/0")
     if args.command == "serve":
         return _serve(args)
     if args.command == "healthcheck":

@@ -1,9 +1,17 @@
 """gRPC control-plane helpers shared by the executor (server) and the scheduler (client).
 
+Reset and Shutdown change who owns an executor, or stop it: when PAGEDSERVE_CONTROL_TOKEN is
+set (in the environment only: a secret never goes on a command line), the executor refuses
+them (PERMISSION_DENIED) unless the caller's metadata carries the same token. `serve` makes
+one per stack; under compose, set it in the environment of the executor and the scheduler.
+
 The .proto lives in shared/proto/control.proto; control_pb2*.py are generated from it with
 `python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. shared/proto/control.proto`.
 """
 from __future__ import annotations
+
+import hmac
+import os
 
 import grpc
 
@@ -14,6 +22,20 @@ __all__ = ["pb", "pb_grpc", "ExecutorClient", "owner_identity"]
 
 
 OWNER_LEASE_S = 5.0    # an executor's owner silent this long may be replaced by another
+CONTROL_TOKEN_ENV = "PAGEDSERVE_CONTROL_TOKEN"
+_TOKEN_KEY = "x-pagedserve-control-token"      # gRPC metadata key (lower case, as gRPC wants)
+
+
+def control_token() -> str:
+    return os.environ.get(CONTROL_TOKEN_ENV, "")
+
+
+def token_matches(expected: str, context) -> bool:
+    """Whether a call's metadata carries `expected` (any call passes when it is empty)."""
+    if not expected:
+        return True
+    given = dict(context.invocation_metadata()).get(_TOKEN_KEY, "")
+    return hmac.compare_digest(given.encode(), expected.encode())
 
 
 def owner_identity(owner: str, fence: int) -> bytes:
@@ -25,8 +47,10 @@ def owner_identity(owner: str, fence: int) -> bytes:
 class ExecutorClient:
     """A thin, timeout-bounded client of one executor's control service."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
+        token = control_token() if token is None else token
+        self._auth = ((_TOKEN_KEY, token),) if token else ()
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.ExecutorControlStub(self._channel)
 
@@ -38,10 +62,11 @@ class ExecutorClient:
         return self._stub.Health(pb.HealthRequest(owner=owner), timeout=timeout)
 
     def reset(self, timeout: float = 5.0, owner: str = "") -> pb.ResetReply:
-        return self._stub.Reset(pb.ResetRequest(owner=owner), timeout=timeout)
+        return self._stub.Reset(pb.ResetRequest(owner=owner), timeout=timeout,
+                                metadata=self._auth)
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        self._stub.Shutdown(pb.ShutdownRequest(), timeout=timeout)
+        self._stub.Shutdown(pb.ShutdownRequest(), timeout=timeout, metadata=self._auth)
 
     def is_alive(self, timeout: float = 1.0) -> bool:
         try:

@@ -8,6 +8,8 @@
     {prefix}:schedulers        hash: scheduler name -> last heartbeat (unix seconds)
     {prefix}:metrics:{name}    string: that scheduler's Prometheus exposition text (short TTL)
     {prefix}:degraded          hash: scheduler name -> why it cannot serve now (absent: fine)
+    {prefix}:claim:{name}      string: the token of the scheduler process that holds the name's
+                               pending requests ("taken by <other>" once another took them over)
     {prefix}:dash:watchers     string, short TTL: a dashboard page is open (shared/dashboard.py)
     {prefix}:dash:snap:{name}  string: that scheduler's latest block-map snapshot (short TTL)
 
@@ -47,6 +49,9 @@ class RedisKeys:
 
     def output(self, request_id: str) -> str:
         return f"{self.prefix}:out:{request_id}"
+
+    def claim(self, scheduler_name: str) -> str:
+        return f"{self.prefix}:claim:{scheduler_name}"
 
     def metrics(self, scheduler_name: str) -> str:
         return f"{self.prefix}:metrics:{scheduler_name}"

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -93,3 +95,58 @@ def test_a_port_claimed_by_another_process_is_not_handed_out_until_it_exits():
         child.stdin.close()
         child.wait(timeout=30)
     assert _reserve(port)                # the claim ended with its process
+
+
+def _old_redis() -> tuple[socket.socket, threading.Thread]:
+    """A server that speaks enough RESP to say it is Redis 6.2 (INFO), and OK to the rest."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while chunk := conn.recv(4096):
+                    buf += chunk
+                    if not buf.endswith(b"\r\n"):
+                        continue
+                    info = b"# Server\r\nredis_version:6.2.14\r\n"
+                    if b"INFO" in buf.upper():
+                        conn.sendall(b"$%d\r\n%s\r\n" % (len(info), info))
+                    elif b"HELLO" in buf.upper():
+                        conn.sendall(b"%1\r\n+proto\r\n:3\r\n")   # RESP3
+                    else:
+                        conn.sendall(b"+OK\r\n")
+                    buf = b""
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+@pytest.mark.parametrize("service", ["scheduler", "gateway"])
+def test_a_redis_older_than_7_is_refused_in_one_line(service):
+    srv, _ = _old_redis()
+    port = srv.getsockname()[1]
+    try:
+        done = subprocess.run([sys.executable, "-m", "services.launcher", service, "--redis-url",
+                               f"redis://127.0.0.1:{port}/0"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        srv.close()
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"pagedserve {service}: Redis 6.2.14 at 127.0.0.1:{port}/0 "
+                                   "is too old: pagedserve needs Redis 7 or newer")
+
+
+def test_the_redis_password_comes_from_the_environment_into_the_url(monkeypatch):
+    from services.launcher import with_password
+    monkeypatch.setenv("PAGEDSERVE_REDIS_PASSWORD", "p@ss/word")
+    assert with_password("redis://redis:6379/0") == "redis://:p%40ss%2Fword@redis:6379/0"
+    assert with_password("redis://:other@redis:6379/0") == "redis://:other@redis:6379/0"
+    monkeypatch.delenv("PAGEDSERVE_REDIS_PASSWORD")
+    assert with_password("redis://redis:6379/0") == "redis://redis:6379/0"

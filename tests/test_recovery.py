@@ -14,9 +14,11 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import pytest
 
+from shared.control import ExecutorClient
 from tests.conftest import REPO
 from tests.serve_stack import SERVICES, Serve
 from tests.test_faults import MODEL, Outcome, launch, stream, wait_until
@@ -103,22 +105,40 @@ def test_an_explicit_port_in_use_is_refused_in_one_line_before_anything_starts()
 
 
 def test_sigterm_stops_every_child_and_no_secret_is_on_a_command_line():
+    """API keys and the control token reach the services in their environment only."""
     s = Serve("--max-num-seqs", "2", env={"PAGEDSERVE_API_KEYS": "sk-secret-test"})
     try:
         s.wait_healthy()
         children = s.children()
         assert set(children) == set(SERVICES)
+        token = _environ(children["executor"])["PAGEDSERVE_CONTROL_TOKEN"]
+        assert len(token) >= 32 and _environ(children["scheduler"])[
+            "PAGEDSERVE_CONTROL_TOKEN"] == token           # made by serve, one per stack
         for pid in [s.proc.pid, *children.values()]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                assert b"sk-secret-test" not in f.read()
+                cmdline = f.read()
+            assert b"sk-secret-test" not in cmdline and token.encode() not in cmdline
         r = httpx.get(s.base_url + "/v1/models", timeout=10)
         assert r.status_code == 401             # the key reached the gateway all the same
+        # the executor's control calls need the token: a caller without it cannot take over
+        with open(f"/proc/{children['executor']}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        executor = ExecutorClient(f"127.0.0.1:{argv[argv.index('--grpc-port') + 1]}", token="")
+        with pytest.raises(grpc.RpcError) as refused:
+            executor.reset(owner="intruder")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert executor.is_alive()                          # Health stays open
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=60) == 0
         for pid in children.values():
             assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"{pid} survived"
     finally:
         s.stop()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.split("=", 1) for kv in f.read().decode().split("\0") if "=" in kv)
 
 
 def _zombie(pid: int) -> bool:

@@ -1,13 +1,21 @@
-"""Data parallelism: two scheduler+executor replicas consume one Redis queue."""
+"""Data parallelism: two scheduler+executor replicas consume one Redis queue; a replica that
+is stalled, then wakes, never becomes a second writer of a stream."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
+import redis
 
+from services.gateway.queue import READERS_SUFFIX
+from shared.messages import RequestOutput
+from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD
+from shared.wire import decode
 from tests.cluster import Cluster
 from tests.conftest import start_redis, stop_process
-from tests.test_faults import launch
+from tests.test_faults import launch, wait_until
 
 
 @pytest.fixture
@@ -59,3 +67,55 @@ def test_both_replicas_serve_and_a_dead_one_loses_no_queued_request(two_replicas
     # every request sched-b had taken but not started was re-run by sched-a
     assert len(done) >= 12 - 2
     assert len(done) + sum(o.error is not None for o in outs) == 12
+
+
+def _published(cluster: Cluster) -> dict[str, tuple[int, int]]:
+    """request id -> (tokens published, final outputs published), read from every output
+    stream in Redis: what the schedulers wrote, whoever wrote it."""
+    r = redis.Redis.from_url(cluster.redis_url)
+    out = {}
+    for key in r.scan_iter(match=cluster.keys.output("*"), count=1000):
+        if key.endswith(READERS_SUFFIX.encode()):
+            continue
+        tokens = finals = 0
+        for _eid, fields in r.xrange(key):
+            if MSG_FIELD in fields:
+                msg = decode(fields[MSG_FIELD], RequestOutput)
+                tokens += sum(len(d.token_ids) for d in msg.seqs)
+                finals += msg.finished
+        out[key.decode().rsplit(":", 1)[1]] = (tokens, finals)
+    return out
+
+
+def test_a_replica_stalled_past_the_heartbeat_timeout_never_writes_again(two_replicas):
+    """SIGSTOP one replica mid-stream for longer than the heartbeat timeout: the other takes
+    its requests over and continues them from their streams. On SIGCONT the stalled one
+    finds its claim taken and stops without publishing, so each stream has one writer and
+    every request completes exactly once, with every token once."""
+    c = two_replicas
+    max_tokens = 32
+    outs, threads = launch(c.base_url, [f"Stall test {i}: the river" for i in range(8)],
+                           max_tokens)
+    r = redis.Redis.from_url(c.redis_url)
+    wait_until("sched-a streaming", lambda: _served_by(c).get("sched-a", 0) > 0, 90)
+    os.kill(c.procs["sched-a"].pid, signal.SIGSTOP)
+    held = r.xpending_range(c.keys.requests, CONSUMER_GROUP, "-", "+", 100,
+                            consumername="sched-a")
+    try:
+        assert held, "the stalled replica held no request: the test proves nothing"
+        # past the 10 s heartbeat timeout, and until sched-b took the requests over
+        wait_until("sched-b takes sched-a's requests over", lambda: not r.xpending_range(
+            c.keys.requests, CONSUMER_GROUP, "-", "+", 100, consumername="sched-a"), 60)
+    finally:
+        os.kill(c.procs["sched-a"].pid, signal.SIGCONT)
+    # its first publication after waking is refused: it stops (status 3) without writing
+    assert c.procs["sched-a"].wait(timeout=30) == 3
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert [o.error for o in outs] == [None] * 8
+    assert all(o.usage_tokens == max_tokens and o.finish == "length" for o in outs)
+    published = _published(c)
+    assert len(published) == 8
+    # two writers would publish some tokens twice, or a second final output
+    assert sorted(published.values()) == [(max_tokens, 1)] * 8, published

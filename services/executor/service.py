@@ -36,7 +36,8 @@ import grpc
 import zmq
 
 from services.executor.config import ExecutorConfig
-from shared.control import OWNER_LEASE_S, owner_identity, pb, pb_grpc
+from shared.control import (CONTROL_TOKEN_ENV, OWNER_LEASE_S, control_token, owner_identity, pb,
+                            pb_grpc, token_matches)
 from shared.messages import StepPlan, StepResult
 from shared.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
 
@@ -71,6 +72,7 @@ class ExecutorServiceConfig:
 class _Control(pb_grpc.ExecutorControlServicer):
     def __init__(self, server: "ExecutorServer") -> None:
         self.server = server
+        self.token = control_token()      # read once: Reset/Shutdown need it when set
 
     def Describe(self, request, context):
         return self.server.describe()
@@ -85,11 +87,19 @@ class _Control(pb_grpc.ExecutorControlServicer):
                               fence=s.fence, instance_id=s.instance_id)
 
     def Reset(self, request, context):
+        self._check_token(context)
         return self.server.take_over(request.owner)
 
     def Shutdown(self, request, context):
+        self._check_token(context)
         self.server.stop()
         return pb.ShutdownReply()
+
+    def _check_token(self, context) -> None:
+        if not token_matches(self.token, context):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"wrong or missing control token: give the caller the executor's "
+                          f"{CONTROL_TOKEN_ENV}")
 
 
 class ExecutorServer:

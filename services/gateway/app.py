@@ -12,7 +12,8 @@
     GET  /dashboard, /dashboard/stream   the live KV block map (dashboard.py)
 
 Stateless: any replica can serve any request (or resume any stream). Bearer keys, when
-configured, guard /v1/* (and /dashboard, which checks them itself). A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
+configured, guard /v1/*, /tokenize and /detokenize (and /dashboard, which checks them
+itself). Connection deadlines and per-key budgets: limits.py. A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
 becomes the request's id (`cmpl-<it>`, `chatcmpl-<it>`) and is echoed in the response's
 X-Request-Id header; without one the gateway makes a random id and sends that. Long
 prompts are tokenized on one dedicated thread so the event loop keeps streaming meanwhile.
@@ -43,6 +44,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.dashboard import Dashboard
 from services.gateway.detokenizer import TokenVocab
 from services.gateway.follower import StreamFollower
+from services.gateway.limits import Holding, KeyBudgets, request_cost, uvicorn_options, within
 from services.gateway.metrics import ENDPOINTS, GatewayMetrics, merge_expositions
 from services.gateway.openapi import openapi_document
 from services.gateway.protocol import RequestParser, model_not_found
@@ -63,6 +65,7 @@ INLINE_PARSE_BYTES = 8192   # bodies up to this size are parsed and tokenized on
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,100}")   # room left for a prefix and -<i>
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+GUARDED = ("/v1", "/tokenize", "/detokenize")    # paths that need a key when keys are set
 
 
 def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
@@ -95,6 +98,8 @@ class Gateway:
         self.created = int(time.time())
         self.retry_after = {"Retry-After": str(config.retry_after_s)}
         self._depth, self._depth_next_probe, self._gone = 0, 0.0, None
+        self.budgets = KeyBudgets(config.key_max_requests, config.key_max_tokens,
+                                  self.retry_after)
 
     async def parse(self, fn: Callable, request: Request) -> Any:
         """fn(JSON body). Small bodies inline: a thread hop costs more than tokenizing a few
@@ -112,15 +117,21 @@ class Gateway:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_big
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise bad("the client disconnected while sending the body") from None
+        chunks = []
+
+        async def receive_body() -> int:
+            size = 0
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+            except ClientDisconnect:
+                raise bad("the client disconnected while sending the body") from None
+            return size
+
+        size = await within(self.config.body_timeout_s, receive_body(), "the request body")
         try:
             return json.loads(b"".join(chunks)), size
         except RecursionError:
@@ -130,13 +141,13 @@ class Gateway:
                       code="invalid_json") from None
 
     # ------------------------------------------------------------ generation
-    async def completions(self, request: Request) -> GenerationStream:
+    async def completions(self, request: Request) -> Holding:
         return await self._generate(request, self.parser.completion)
 
-    async def chat_completions(self, request: Request) -> GenerationStream:
+    async def chat_completions(self, request: Request) -> Holding:
         return await self._generate(request, self.parser.chat)
 
-    async def _generate(self, request: Request, parse: Callable) -> GenerationStream:
+    async def _generate(self, request: Request, parse: Callable) -> Holding:
         client_id = request.headers.get("x-request-id")
         if client_id is not None and not _CLIENT_REQUEST_ID.fullmatch(client_id):
             raise bad("X-Request-Id must be 1 to 100 letters, digits, '_', '.' or '-'",
@@ -148,6 +159,17 @@ class Gateway:
             raise bad(f"X-Request-Id {client_id!r} was already used for a request whose "
                       "stream has not expired: send a new id", "X-Request-Id",
                       "duplicate_request_id")
+        key = _client_key(request, bool(self.config.api_keys))
+        cost = request_cost(parsed.requests)
+        self.budgets.take(key, cost)
+        try:
+            stream = await self._enqueue(parsed, client_id)
+        except BaseException:
+            self.budgets.give(key, cost)
+            raise
+        return Holding(stream, self.budgets, key, cost)
+
+    async def _enqueue(self, parsed, client_id: str | None) -> GenerationStream:
         await self.admit(len(parsed.requests))
         # Follow the output streams from their start; the reader's wake-up (if it is blocked)
         # rides in the same round trip as the enqueue.
@@ -286,7 +308,8 @@ class Gateway:
 
 
 class GuardAndCount:
-    """Outermost layer: Bearer keys on /v1/* (constant-time compare), requests counted by route."""
+    """Outermost layer: Bearer keys on GUARDED paths (constant-time compare), requests counted
+    by route."""
 
     def __init__(self, app, gateway: Gateway) -> None:
         self.app, self.gw = app, gateway
@@ -317,7 +340,7 @@ class GuardAndCount:
 
         path = scope["path"]
         try:
-            if self.keys and path.startswith("/v1") and not self._authorized(scope):
+            if self.keys and path.startswith(GUARDED) and not self._authorized(scope):
                 err = ApiError(401, "missing or wrong API key: send the header "
                                     "'Authorization: Bearer <key>'", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
@@ -326,6 +349,15 @@ class GuardAndCount:
                 await self.app(scope, receive, observe)
         finally:
             self.gw.metrics.observe(_route_of(path), status)
+
+
+def _client_key(request: Request, keyed: bool) -> str:
+    """Whose budget a request counts against: its Bearer token when the gateway checks keys
+    (`keyed`; the token was checked), else its address (a made-up token would dodge it)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if keyed and scheme.lower() == "bearer" and token.strip():
+        return "key:" + token.strip()
+    return "addr:" + (request.client.host if request.client else "?")
 
 
 def _route_of(path: str) -> str:
@@ -401,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedserve gateway: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                access_log=False)
+                access_log=False, **uvicorn_options(config))
     return 0
 
 

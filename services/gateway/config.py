@@ -52,6 +52,19 @@ class GatewayConfig:
     scheduler_gone_s: float = 20.0
     stall_check_s: float = 5.0             # a stream quiet this long checks its request is alive
     request_timeout_s: float = 3600.0      # a request still running after this ends with 504
+    # Connections (services/gateway/limits.py)
+    header_timeout_s: float = 10.0         # a request's headers must be complete this soon (s)
+    body_timeout_s: float = 30.0           # a request body must arrive this soon (s); else 408
+    send_timeout_s: float = 30.0           # a response write blocked this long on a client
+    # that does not read cuts its connection (s); its request is aborted
+    send_buffer_bytes: int = 262144        # kernel send buffer of a connection (SO_SNDBUF;
+    # 0: the kernel's autotuning, up to MiBs): bounds what a client that does not read pins
+    timeout_keep_alive_s: float = 5.0      # an idle kept-alive connection is closed after (s)
+    limit_concurrency: int = 2048          # open connections; beyond, new requests get 503
+    # Per API key (the client's address without keys); 0: no limit
+    key_max_requests: int = 0              # open requests of one key; more get 429
+    key_max_tokens: int = 0                # tokens one key's open requests may hold (prompt +
+    # max_tokens per sequence); more get 429, a single request above it 400
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, env: dict[str, str] | None = None

@@ -153,7 +153,8 @@ class RequestParser:
     def detokenize(self, body: Any) -> dict:
         f = Fields(body, frozenset({"model", "tokens"}))
         self.model(f)
-        ids = self.prompts.token_ids(f.raw("tokens"), "tokens", allow_empty=True)
+        ids = self.prompts.token_ids(f.raw("tokens"), "tokens", allow_empty=True,
+                                     limit=self.cfg.max_model_len)
         return {"prompt": self.tokenizer.decode(ids)}
 
     # ------------------------------------------------------------ pieces

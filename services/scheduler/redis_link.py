@@ -1,18 +1,26 @@
 """The scheduler's link to Redis: one pipelined round trip per iteration, typed batches.
 
     round(outputs, acks, heartbeat, want)
-      out   RequestOutputs          XADD {prefix}:out:{id}, EXPIRE
-            acks of ended requests  XACK + XDEL of their request-stream entries
+      out   RequestOutputs          XADD {prefix}:out:{id}, EXPIRE        } one script, run only
+            acks of ended requests  XACK + XDEL of their request-stream entries } while this
+                                                                          process holds its claim
             Heartbeat               HSET/HDEL of the liveness and health hashes, SET metrics
       in    Inbound                 new requests (XREADGROUP, at most `want`), aborts (XREAD)
 
 Every command queued on the pipeline is queued with the handler of its reply, so replies are
 never read by a position that depends on what was asked. Key names: shared/redis_keys.py.
+
+One writer per output stream: a scheduler that takes over another's pending requests first
+marks the other's claim key taken, and every publication checks, in the same script that
+writes, that the claim still holds this process's token. A scheduler stalled past the
+heartbeat timeout (SIGSTOP, a swapped-out host) therefore cannot write into a stream its
+successor now continues: its first round after waking raises ClaimLost instead.
 """
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +35,33 @@ from shared.wire import WireError, decode, encode
 log = logging.getLogger("pagedserve.scheduler")
 
 
+class ClaimLost(RuntimeError):
+    """Another scheduler took over this one's requests: publish nothing more."""
+
+
+# KEYS: claim key, request stream, output streams...   ARGV: token, group, field, n outputs,
+# then (payload, ttl) per output, then the acknowledged entry ids.
+# Returns 0 (nothing written) when the claim holds another token. A missing claim key (Redis
+# restarted without its data) is taken back: no one else can hold what that Redis lost.
+# NOTE: the shebang makes Redis (>= 7) refuse the whole script while it is over maxmemory,
+# rather than fail it halfway: either every output of a round is written or none.
+_PUBLISH = """#!lua
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return 0 end
+if not held then redis.call('SET', KEYS[1], ARGV[1]) end
+local n = tonumber(ARGV[4])
+for i = 1, n do
+  redis.call('XADD', KEYS[2 + i], '*', ARGV[3], ARGV[3 + 2 * i])
+  redis.call('EXPIRE', KEYS[2 + i], ARGV[4 + 2 * i])
+end
+for j = 5 + 2 * n, #ARGV do
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[j])
+  redis.call('XDEL', KEYS[2], ARGV[j])
+end
+return 1
+"""
+
+
 @dataclass(slots=True)
 class Inbound:
     """What one round read."""
@@ -37,6 +72,9 @@ class Inbound:
     # client is answered with an error instead of waiting forever
     refused: list[tuple[str, str]] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
+    # Why nothing of the round's outputs and acks was written (Redis over its maxmemory,
+    # or restarted without the script): the caller keeps them for the next round
+    held: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +105,9 @@ class RedisLink:
         self.redis = client
         self.keys = keys
         self.name = name                 # this scheduler's consumer name
+        # This process's claim on the requests read under `name` (set by hold_claim).
+        self.token = f"{name}/{uuid.uuid4().hex}"
+        self._publish_sha: str | None = None     # loaded on first use (and after a restart)
         self.abort_cursor = "0"          # every scheduler reads every abort
         # Redis server time minus this host's (s), measured by every round: heartbeats are
         # written and compared in the server's clock, so hosts' clocks need not agree.
@@ -90,11 +131,18 @@ class RedisLink:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def hold_claim(self) -> None:
+        """Claim the requests read under this name (at start-up, before taking over the
+        pending ones of a predecessor with the same name): an older process of the same
+        name, if one still runs, publishes nothing more."""
+        self.redis.set(self.keys.claim(self.name), self.token)
+
     def round(self, outputs: list[RequestOutput], acks: list[str], beat: Heartbeat | None,
               read: bool = True, want: int = 0) -> Inbound:
         """Publish, acknowledge, beat, then (when `read`) read aborts and up to `want` new
         requests, in one round trip. Raises redis.ConnectionError / TimeoutError when Redis
-        is unreachable: then nothing was taken, and the caller keeps its outputs and acks."""
+        is unreachable: then nothing was taken, and the caller keeps its outputs and acks;
+        the same when Redis is out of memory (inbound.held), but what was read is taken. Raises ClaimLost when another scheduler took this one's requests over."""
         pipe = self.redis.pipeline(transaction=False)
         handlers: list[Callable | None] = []
 
@@ -102,16 +150,21 @@ class RedisLink:
             command(*args, **kw)
             handlers.append(handler)
 
-        for out in outputs:
-            key = self.keys.output(out.request_id)
-            queue(pipe.xadd, key, {MSG_FIELD: encode(out)})
-            queue(pipe.expire, key, FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S)
-        if acks:
+        if outputs or acks:
             # An ended request's entry is not needed any more: deleting it keeps the request
             # stream as long as the unfinished work (the group's lag stays exact: only entries
             # before its last-delivered id are deleted).
-            queue(pipe.xack, self.keys.requests, CONSUMER_GROUP, *acks)
-            queue(pipe.xdel, self.keys.requests, *acks)
+            keys = [self.keys.claim(self.name), self.keys.requests,
+                    *(self.keys.output(o.request_id) for o in outputs)]
+            args = [self.token, CONSUMER_GROUP, MSG_FIELD, len(outputs)]
+            for out in outputs:
+                args += [encode(out), FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S]
+            if self._publish_sha is None:
+                self._publish_sha = self.redis.script_load(_PUBLISH)
+            # NOTE: EVALSHA on the pipeline, not a registered Script: redis-py would check
+            # that the script exists in an extra round trip before every round.
+            queue(pipe.evalsha, self._publish_sha, len(keys), *keys, *args, *acks,
+                  handler=self._check_claim)
         if beat is not None:
             self._queue_beat(queue, pipe, beat)
         queue(pipe.time, handler=self._take_time)
@@ -128,11 +181,21 @@ class RedisLink:
                 # is made again and read in the next round.
                 log.warning("request group vanished (Redis restarted?); recreating it")
                 self.ensure_group()
+            elif isinstance(reply, redis.OutOfMemoryError):
+                inbound.held = "Redis is out of memory (maxmemory)"
+            elif isinstance(reply, redis.exceptions.NoScriptError):
+                self._publish_sha = None         # Redis restarted: loaded again next round
+                inbound.held = "the publishing script was not loaded (Redis restarted?)"
             elif isinstance(reply, Exception):
                 raise reply
             elif handler is not None:
                 handler(reply, inbound)
         return inbound
+
+    def _check_claim(self, reply, _inbound) -> None:
+        if not reply:
+            raise ClaimLost(f"scheduler {self.name}: another scheduler took over its requests "
+                            "(this process was silent past the heartbeat timeout)")
 
     def wait_for_requests(self, want: int, block_ms: int) -> Inbound:
         """Block up to `block_ms` for new requests (the loop's idle wait: no busy spin)."""
@@ -175,6 +238,9 @@ class RedisLink:
                                             10_000, consumername=name)
         ids = [p["message_id"] for p in pending]
         if name != self.name:
+            # First fence the other process (it may only be stalled), then take its entries:
+            # whatever it published before this SET is in the streams read after it.
+            self.redis.set(self.keys.claim(name), f"taken by {self.token}")
             if ids:
                 self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.name, 0, ids)
             self.redis.xgroup_delconsumer(self.keys.requests, CONSUMER_GROUP, name)

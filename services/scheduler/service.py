@@ -35,7 +35,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import result_error
 from services.scheduler.recovery import ExecutorLost, ExecutorTaken, Ownership, Recovery
-from services.scheduler.redis_link import Heartbeat, Inbound, RedisLink
+from services.scheduler.redis_link import ClaimLost, Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
 from services.scheduler.snapshot import DashboardPublisher
@@ -177,6 +177,7 @@ class SchedulerService:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
         self.link.ensure_group()
+        self.link.hold_claim()
         self.recovery.reclaim_pending(include_self=True)
         self.beat(force=True)
         while not self.stopping:
@@ -186,10 +187,11 @@ class SchedulerService:
                 except ExecutorLost as exc:
                     plan, self.plan = self.plan, None
                     self.recovery.recover(plan, str(exc), executor_alive=False)
-            except ExecutorTaken as exc:
-                # Another scheduler owns the executor now: publish nothing more. What this
-                # one held is pending in Redis under its name; the owner takes it over once
-                # this heartbeat is stale, and continues each request from its stream.
+            except (ExecutorTaken, ClaimLost) as exc:
+                # Another scheduler owns the executor, or took over this one's requests:
+                # publish nothing more. What this one still holds is pending in Redis under
+                # its name; another takes it over once this heartbeat is stale, and
+                # continues each request from its stream.
                 log.critical("fenced, stopping without publishing: %s", exc)
                 return 3
             except redis.ResponseError as exc:
@@ -203,7 +205,7 @@ class SchedulerService:
                 time.sleep(0.5)
         try:
             self._redis_round(block_ms=0)
-        except redis.RedisError:
+        except (redis.RedisError, ClaimLost):
             pass
         return 0
 
@@ -214,7 +216,7 @@ class SchedulerService:
             self.recovery.reclaim_pending()
         plan = self.sched.schedule()
         if self.sched.refused:                   # a grammar that failed to compile
-            self._emit(self.sched.refused)
+            self.emit(self.sched.refused)
             self.sched.refused = []
         if plan is None:
             # Idle: no plan renews the lease, and a restarted executor goes unnoticed.
@@ -309,8 +311,13 @@ class SchedulerService:
             log.warning("Redis unreachable (%s); %d outputs held", exc, len(outputs))
             time.sleep(max(block_ms, 100) / 1000)
             return
-        del self.pending_outputs[:len(outputs)]
-        del self.to_ack[:len(acks)]
+        if inbound.held:
+            # Held until Redis takes them; gateways answer 503 meanwhile when it is full.
+            log.warning("%s; %d outputs held", inbound.held, len(outputs))
+            time.sleep(0.2)
+        else:
+            del self.pending_outputs[:len(outputs)]
+            del self.to_ack[:len(acks)]
         self.take(inbound)
         if read and want and not inbound.requests and block_ms and not self.sched.has_unfinished():
             self.take(self.link.wait_for_requests(want, block_ms))

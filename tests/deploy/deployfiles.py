@@ -103,11 +103,18 @@ def compose_binary() -> list[str] | None:
     return None
 
 
+# The secrets compose requires, and nothing else of the user's settings.
+REQUIRED_SECRETS = {"PAGEDSERVE_REDIS_PASSWORD": "test-password",
+                    "PAGEDSERVE_CONTROL_TOKEN": "test-token"}
+
+
 def compose_config(exe: list[str], *args: str) -> dict:
-    """`docker compose config` as JSON, with an environment that has no settings of the user's."""
+    """`docker compose config` as JSON, with an environment that has no settings of the
+    user's but the required secrets."""
     out = subprocess.run([*exe, "-f", str(COMPOSE_FILE), *args, "config", "--format", "json"],
                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                              "HOME": os.environ.get("HOME", "/tmp")}, cwd=REPO,
+                              "HOME": os.environ.get("HOME", "/tmp"), **REQUIRED_SECRETS},
+                         cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

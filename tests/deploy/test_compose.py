@@ -155,7 +155,7 @@ def test_each_service_listens_on_the_port_compose_exposes(compose, monkeypatch):
     sched = parse_with_launcher(compose["services"]["scheduler"]["command"],
                                 service_env(compose["services"]["scheduler"]), monkeypatch)
     assert sched.executor == f"executor:{CONTRACT_PORTS['executor']['grpc_port']}"
-    aliases = compose["services"]["executor-cpu"]["networks"]["default"]["aliases"]
+    aliases = compose["services"]["executor-cpu"]["networks"]["back"]["aliases"]
     assert "executor" in aliases
     # Images expose what compose does.
     for path in DEPLOY.glob("Dockerfile.*"):
@@ -212,7 +212,7 @@ def test_gpu_executor_reserves_one_nvidia_gpu_and_cpu_profile_stands_in(compose)
 
 def test_redis_as_composed_keeps_a_queued_request_across_a_kill_and_restart(compose, tmp_path):
     """A real redis-server run with the compose file's own command line (plus a port and a
-    data folder): a queued request and one a scheduler has read but not acknowledged are
+    data folder), asking for its password: a queued request and one a scheduler has read but not acknowledged are
     still there after kill -9 and a restart on the same data, as the scheduler's
     reclaiming needs."""
     import redis as redis_py
@@ -226,13 +226,17 @@ def test_redis_as_composed_keeps_a_queued_request_across_a_kill_and_restart(comp
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not on PATH (make install sets it up)")
-    argv = [exe if w == "redis-server" else w for w in svc["command"]]
+    password = "pw for the test"
+    env = {"PAGEDSERVE_REDIS_PASSWORD": password}
+    argv = [interpolate(w) for w in svc["command"]]
     port = free_port()
     argv += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    container_env = dict(os.environ, **service_env(svc, env))
+    assert container_env["REDISCLI_AUTH"] == password            # for the healthcheck
 
     def start() -> tuple[subprocess.Popen, redis_py.Redis]:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        client = redis_py.Redis(port=port)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=container_env)
+        client = redis_py.Redis(port=port, password=password)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -264,6 +268,12 @@ def test_redis_as_composed_keeps_a_queued_request_across_a_kill_and_restart(comp
         (_stream, got), = r.xreadgroup(CONSUMER_GROUP, "sched-b", {"q": ">"}, count=5)
         assert [eid for eid, _f in got] == [queued]
         assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        assert r.config_get("maxmemory")["maxmemory"] == str(1 << 30)      # 1gb by default
+        # the password is asked for, and is on no command line
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port).ping()
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert password.encode() not in f.read()
     finally:
         proc.kill()
         proc.wait()
@@ -275,3 +285,17 @@ def test_model_cache_is_a_named_volume_where_models_are_loaded(compose):
         svc = compose["services"][name]
         cache = service_env(svc)["PAGEDSERVE_CACHE_DIR"]
         assert f"model-cache:{cache}" in svc["volumes"], name
+
+
+def test_only_the_gateway_faces_out_and_secrets_are_required(compose):
+    """Redis, the executor and the scheduler sit on an internal network only; the gateways
+    join it and the front one. Compose refuses to start without the Redis password and
+    the executor's control token, and only the services that use a secret get it."""
+    assert compose["networks"]["back"]["internal"] is True
+    nets = {name: set(svc["networks"]) for name, svc in compose["services"].items()}
+    assert nets == {"redis": {"back"}, "executor": {"back"}, "executor-cpu": {"back"},
+                    "scheduler": {"back"}, "gateway": {"front", "back"}}
+    for name, svc in compose["services"].items():
+        env = svc["environment"]
+        assert ":?" in env["PAGEDSERVE_REDIS_PASSWORD"], name
+        assert ("PAGEDSERVE_CONTROL_TOKEN" in env) == (name != "gateway" and name != "redis")

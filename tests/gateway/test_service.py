@@ -15,7 +15,7 @@ MODEL = "SmolLM2-135M-Instruct"
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 
-def test_api_keys_guard_v1_only_and_accept_any_configured_key(start_gateway):
+def test_api_keys_guard_v1_and_the_tokenizer_and_accept_any_configured_key(start_gateway):
     gw = start_gateway(api_keys=["key-one", "key-two"])
     with httpx.Client(base_url=gw.url, timeout=10) as c:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-one"},
@@ -28,7 +28,10 @@ def test_api_keys_guard_v1_only_and_accept_any_configured_key(start_gateway):
         assert c.get("/v1/models", headers={"Authorization": "Bearer key-two"}).status_code == 200
         for path in ("/ping", "/metrics", "/openapi.json"):
             assert c.get(path).status_code == 200
-        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+            assert c.post(path, json=body).status_code == 401
+            assert c.post(path, json=body,
+                          headers={"Authorization": "Bearer key-one"}).status_code == 200
 
 
 def test_queue_deeper_than_the_limit_is_429_with_retry_after(start_gateway, redis_proc):

@@ -1,11 +1,15 @@
 """The scheduler's Redis link against a real redis-server: one round publishes, acknowledges
-and reads, and what it read comes back typed whatever else the round asked for."""
+and reads, and what it read comes back typed whatever else the round asked for; a process
+whose requests were taken over writes nothing more; Redis out of memory loses nothing."""
 from __future__ import annotations
 
 import uuid
 
-from services.scheduler.redis_link import Heartbeat, RedisLink
-from shared.messages import AbortRequest, GenerationRequest, RequestOutput, SamplingParams
+import pytest
+
+from services.scheduler.redis_link import ClaimLost, Heartbeat, RedisLink
+from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SamplingParams,
+                             SeqDelta)
 from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD, RedisKeys
 from shared.wire import decode, encode
 
@@ -59,3 +63,54 @@ def test_acknowledged_entries_leave_the_stream_and_a_dead_consumers_work_is_take
     consumers = [c["name"] for c in alive.redis.xinfo_consumers(alive.keys.requests,
                                                                 CONSUMER_GROUP)]
     assert b"dead" not in consumers and "dead" not in consumers
+
+
+def test_a_scheduler_whose_requests_were_taken_over_publishes_nothing_more(redis_server):
+    stalled = _link(redis_server, "stalled")
+    stalled.hold_claim()
+    _enqueue(stalled, "a")
+    ((eid, _),) = stalled.round([], [], None, want=8).requests
+    stalled.round([RequestOutput("a", [SeqDelta(0, [5])])], [], None, read=False)
+    # it stops beating; another takes its requests over and continues the stream
+    successor = RedisLink(stalled.redis, stalled.keys, "successor")
+    successor.hold_claim()
+    assert [e for e, _ in successor.take_pending("stalled").requests] == [eid]
+    successor.round([RequestOutput("a", [SeqDelta(0, [6])])], [], None, read=False)
+    # the stalled one wakes up: neither its output nor its ack goes out
+    with pytest.raises(ClaimLost):
+        stalled.round([RequestOutput("a", [SeqDelta(0, [9])], finished=True)], [eid], None,
+                      read=False)
+    written = [decode(f[MSG_FIELD], RequestOutput).seqs[0].token_ids
+               for _, f in stalled.redis.xrange(stalled.keys.output("a"))]
+    assert written == [[5], [6]]
+    pending = stalled.redis.xpending_range(stalled.keys.requests, CONSUMER_GROUP, "-", "+", 10)
+    assert [(p["message_id"].decode(), p["consumer"].decode()) for p in pending] == [
+        (eid, "successor")]
+    # a new process under the stalled one's name holds the name again
+    again = RedisLink(stalled.redis, stalled.keys, "stalled")
+    again.hold_claim()
+    again.round([RequestOutput("b", [SeqDelta(0, [1])])], [], None, read=False)
+    assert stalled.redis.xlen(stalled.keys.output("b")) == 1
+
+
+def test_a_round_redis_refuses_out_of_memory_or_restarted_is_held_whole(redis_server):
+    link = _link(redis_server)
+    link.hold_claim()
+    _enqueue(link, "a")
+    link.redis.config_set("maxmemory", 1)            # every write that may grow is refused
+    try:
+        got = link.round([RequestOutput("x", [SeqDelta(0, [5])])], [], Heartbeat(1.0),
+                         want=8)
+        assert got.held == "Redis is out of memory (maxmemory)"
+        assert not link.redis.exists(link.keys.output("x"))       # nothing half-written
+        assert [r.request_id for _, r in got.requests] == ["a"]   # what it read is taken
+    finally:
+        link.redis.config_set("maxmemory", 0)
+    got = link.round([RequestOutput("x", [SeqDelta(0, [5])])], [], Heartbeat(1.0))
+    assert got.held is None and link.redis.xlen(link.keys.output("x")) == 1
+    # Redis restarted (its scripts gone): the round is held, the next one publishes
+    link.redis.script_flush()
+    got = link.round([RequestOutput("x", [SeqDelta(0, [6])])], [], None, read=False)
+    assert got.held and link.redis.xlen(link.keys.output("x")) == 1
+    got = link.round([RequestOutput("x", [SeqDelta(0, [6])])], [], None, read=False)
+    assert got.held is None and link.redis.xlen(link.keys.output("x")) == 2

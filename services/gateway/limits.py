@@ -1,0 +1,211 @@
+"""What one client may hold of the gateway: connection deadlines and per-key budgets.
+
+Connection deadlines live in the HTTP protocol (uvicorn's, subclassed), the only place that
+sees a connection before its headers are complete and that can drop a socket whose peer
+stopped reading:
+
+    connect ──▶ headers complete          within header_timeout_s, else the socket is cut
+                (again after each response: a kept-alive connection's next request too)
+    response body written ──▶ drained     a write that waits on a full socket buffer for
+                                          send_timeout_s cuts the socket; the app sees
+                                          http.disconnect and aborts the request
+    body ──▶ read                         within body_timeout_s (the app, 408)
+
+Per-key budgets are the admission of one client against the others. A key is the Bearer
+token (the client's address when the gateway has no keys). Each key may have at most
+key_max_requests requests open and key_max_tokens tokens in flight, where a request costs
+its prompt tokens plus max_tokens for each sequence it runs (n, or the beam width); more is
+a 429 with Retry-After, so one client's flood waits in its own retry loop instead of in the
+queue ahead of everyone else. A request holds its share while its connection is open.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+from services.gateway.validation import ApiError
+from shared.messages import GenerationRequest
+
+log = logging.getLogger("pagedserve.gateway")
+
+
+# ------------------------------------------------------------ connection deadlines
+class _Deadlines:
+    """Mixed into uvicorn's protocol classes; the class attributes are set by protocol_class."""
+
+    header_timeout_s = 10.0
+    send_timeout_s = 30.0
+    send_buffer_bytes = 0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.send_buffer_bytes and sock is not None:
+            # NOTE: a fixed size turns off the kernel's autotuning, which grows a buffer to
+            # MiBs for a peer that never reads; SSE needs far less.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+        self._header_timer = self._send_timer = None
+        self._arm_headers()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # The next request on this connection, unless one was already parsed (pipelined):
+        # self.cycle is the latest request whose headers are complete.
+        if not self.transport.is_closing() and (self.cycle is None
+                                                or self.cycle.response_complete):
+            self._arm_headers()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._cut,
+                                                    "did not read its response")
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _headers_done(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _arm_headers(self) -> None:
+        self._headers_done()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._cut,
+                                                  "sent no complete request headers")
+
+    def _disarm(self) -> None:
+        self._headers_done()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _cut(self, why: str) -> None:
+        # NOTE: abort, not close: close() waits to flush the write buffer, which a peer
+        # that does not read never drains.
+        log.info("dropping connection of %s: it %s in time", self.client, why)
+        self._disarm()
+        self.transport.abort()
+
+
+def protocol_class(header_timeout_s: float, send_timeout_s: float,
+                   send_buffer_bytes: int = 0) -> type:
+    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto" picks, else h11)
+    with the connection deadlines above."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+
+        class Protocol(_Deadlines, base):
+            def on_headers_complete(self) -> None:
+                self._headers_done()
+                super().on_headers_complete()
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+        class Protocol(_Deadlines, base):
+            def handle_events(self) -> None:
+                cycle = self.cycle
+                super().handle_events()
+                if self.cycle is not cycle:           # a request's headers were parsed
+                    self._headers_done()
+
+    Protocol.header_timeout_s = header_timeout_s
+    Protocol.send_timeout_s = send_timeout_s
+    Protocol.send_buffer_bytes = send_buffer_bytes
+    return Protocol
+
+
+def uvicorn_options(config) -> dict:
+    """uvicorn.run / uvicorn.Config keyword arguments for a GatewayConfig."""
+    return {"http": protocol_class(config.header_timeout_s, config.send_timeout_s,
+                                   config.send_buffer_bytes),
+            "timeout_keep_alive": config.timeout_keep_alive_s,
+            "limit_concurrency": config.limit_concurrency or None}
+
+
+# ------------------------------------------------------------ per-key budgets
+def request_cost(requests: list[GenerationRequest]) -> int:
+    """Tokens a request may hold in the KV cache at its end: prompt + max_tokens per sequence."""
+    cost = 0
+    for r in requests:
+        width = r.sampling.beam_width or r.sampling.n
+        cost += len(r.prompt_token_ids) + max(1, width) * r.sampling.max_tokens
+    return cost
+
+
+@dataclass(slots=True)
+class _Held:
+    requests: int = 0
+    tokens: int = 0
+
+
+class KeyBudgets:
+    """Open requests and tokens in flight per key. One event loop: no lock needed."""
+
+    def __init__(self, max_requests: int, max_tokens: int, retry_after: dict) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.retry_after = retry_after
+        self.held: dict[str, _Held] = {}
+
+    def take(self, key: str, cost: int) -> None:
+        """Count one request of `cost` tokens against `key`; raises ApiError (400 if it could
+        never fit, 429 while the key holds too much). Pair with give(key, cost)."""
+        if self.max_tokens and cost > self.max_tokens:
+            raise ApiError(400, f"this request may use {cost} tokens (prompt + max_tokens per "
+                                f"sequence), more than the {self.max_tokens} one API key may "
+                                "hold: lower max_tokens or n", param="max_tokens",
+                           code="token_budget_exceeded")
+        held = self.held.setdefault(key, _Held())
+        busy = None
+        if self.max_requests and held.requests >= self.max_requests:
+            busy = f"{held.requests} requests of this API key are open (limit {self.max_requests})"
+        elif self.max_tokens and held.tokens + cost > self.max_tokens:
+            busy = (f"this API key's open requests hold {held.tokens} tokens and this one needs "
+                    f"{cost} (limit {self.max_tokens})")
+        if busy is not None:
+            if not held.requests:
+                del self.held[key]
+            raise ApiError(429, f"{busy}; retry after {self.retry_after['Retry-After']} s",
+                           code="key_limit", headers=self.retry_after)
+        held.requests += 1
+        held.tokens += cost
+
+    def give(self, key: str, cost: int) -> None:
+        held = self.held[key]
+        held.requests -= 1
+        held.tokens -= cost
+        if not held.requests:
+            del self.held[key]
+
+
+class Holding:
+    """The ASGI response of a request that holds a key's budget until it is answered."""
+
+    __slots__ = ("response", "budgets", "key", "cost")
+
+    def __init__(self, response, budgets: KeyBudgets, key: str, cost: int) -> None:
+        self.response, self.budgets, self.key, self.cost = response, budgets, key, cost
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.budgets.give(self.key, self.cost)
+
+
+async def within(seconds: float, coro, what: str):
+    """Await coro; ApiError 408 if it takes longer than `seconds` (a body sent too slowly)."""
+    try:
+        return await asyncio.wait_for(coro, seconds)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the client took more than {seconds:g} s to send {what}: send it "
+                            "faster", code="request_timeout") from None
