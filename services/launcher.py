@@ -49,6 +49,8 @@ _GATEWAY = [
      "names clients may pass as model (space- or comma-separated; the first is echoed)"),
     ("--resume-grace-s", "PAGEDSERVE_RESUME_GRACE_S", 30.0, float,
      "a resumable stream's request keeps running this long after its client drops"),
+    ("--api-server-count", "PAGEDSERVE_API_SERVER_COUNT", 0, int,
+     "gateway processes sharing --port (0: one per 4 cores, 1 to 8)"),
 ]
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
@@ -249,14 +251,26 @@ def _run_service(args) -> int:
         from services.scheduler.service import run
         return run(scheduler_config(args))
     elif args.command == "gateway":
-        import uvicorn
-
-        from services.gateway.app import create_app
-        cfg = gateway_config(args)
-        uvicorn.run(create_app(cfg), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), access_log=False,
-                    timeout_graceful_shutdown=5)   # open streams must not hold up a stop
+        from services.gateway.servers import api_server_count, run_servers
+        count = api_server_count(args.api_server_count)
+        if count > 1:
+            return run_servers(_serve_gateway, args, args.host, args.port, count)
+        _serve_gateway(args)
     return 0
+
+
+def _serve_gateway(args, sock: socket.socket | None = None) -> None:
+    """One gateway process: on host:port, or on `sock` (one of --api-server-count's)."""
+    import uvicorn
+
+    from services.gateway.app import create_app
+    if sock is not None:
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = uvicorn.Config(create_app(gateway_config(args)), host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)   # open streams must not hold up a stop
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 
 def _start_ranks(args) -> list[subprocess.Popen]:

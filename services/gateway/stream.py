@@ -34,7 +34,7 @@ import logging
 import time
 
 from services.gateway.follower import Subscription, next_outputs, stream_id
-from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
+from services.gateway.output import ChoiceDelta, OutputProcessor, join, usage_of
 from services.gateway.queue import QueueUnavailable
 from services.gateway.responses import Shapes, dumps
 from services.gateway.validation import ApiError
@@ -260,6 +260,24 @@ class GenerationStream:
         """stream_options.continuous_usage_stats: every chunk carries the usage so far."""
         return usage_of(self.procs) if self.spec.continuous_usage else None
 
+    def _coalesce(self, outputs, frames: list[bytes], ids: bool) -> None:
+        """One event for everything the outputs read at once add to each choice. A client
+        (or this gateway) that fell behind gets several tokens per event, as vLLM sends
+        them, instead of an event per token that would keep it behind. The event's id is
+        the last entry it covers: a resume from it continues right after."""
+        merged: dict[int, ChoiceDelta] = {}      # choice index -> what it gained
+        last = None
+        for k, entry, out in outputs:
+            if self.parts[k].proc.done:
+                continue
+            last = entry
+            for d in self._process(k, out):
+                merged[d.index] = join(merged[d.index], d) if d.index in merged else d
+        if merged:
+            deltas = [merged[i] for i in sorted(merged)]
+            frames.append(event(last if ids else None,
+                                self.shapes.chunk(deltas, self._usage_so_far())))
+
     async def _sse(self, send) -> None:
         cfg, loop = self.gw.config, asyncio.get_running_loop()
         ids = self.resumable                 # event ids only on resumable streams
@@ -304,13 +322,8 @@ class GenerationStream:
             if outputs is None:
                 await self._client_gone()
                 return
-            for k, entry, out in outputs:
-                if self.parts[k].proc.done:
-                    continue
-                deltas = self._process(k, out)
-                if deltas:
-                    frames.append(event(entry if ids else None,
-                                        self.shapes.chunk(deltas, self._usage_so_far())))
+            if outputs:
+                self._coalesce(outputs, frames, ids)
             await self._stop_finished_choices()
             if self._error() is not None:
                 if not started:

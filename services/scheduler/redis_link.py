@@ -1,7 +1,7 @@
 """The scheduler's link to Redis: one pipelined round trip per iteration, typed batches.
 
     round(outputs, acks, heartbeat, want)
-      out   RequestOutputs          XADD {prefix}:out:{id}, EXPIRE
+      out   RequestOutputs          XADD {prefix}:out:{id}, EXPIRE (all in one EVAL)
             acks of ended requests  XACK + XDEL of their request-stream entries
             Heartbeat               HSET/HDEL of the liveness and health hashes, SET metrics
       in    Inbound                 new requests (XREADGROUP, at most `want`), aborts (XREAD)
@@ -46,6 +46,20 @@ class Heartbeat:
     now: float
     degraded: str | None = None          # why /health should say degraded; None: healthy
     metrics: bytes | None = None         # Prometheus exposition, kept 15 s
+
+
+# Every output of a round in one command: XADD + EXPIRE per stream run inside Redis, so the
+# cost per output on both sides is two arguments, not two pipelined commands (each one
+# packed, parsed and answered). EVAL, not EVALSHA: a restarted Redis needs no reload.
+#   KEYS: the output streams   ARGV: field, ttl, finished ttl, then (payload, finished) per key
+PUBLISH_LUA = """
+local field, ttl, finished_ttl = ARGV[1], ARGV[2], ARGV[3]
+for i, key in ipairs(KEYS) do
+  redis.call('XADD', key, '*', field, ARGV[2 + 2 * i])
+  redis.call('EXPIRE', key, ARGV[3 + 2 * i] == '1' and finished_ttl or ttl)
+end
+return #KEYS
+"""
 
 
 def _request_id_of(raw) -> str | None:
@@ -102,10 +116,12 @@ class RedisLink:
             command(*args, **kw)
             handlers.append(handler)
 
-        for out in outputs:
-            key = self.keys.output(out.request_id)
-            queue(pipe.xadd, key, {MSG_FIELD: encode(out)})
-            queue(pipe.expire, key, FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S)
+        if outputs:
+            keys = [self.keys.output(out.request_id) for out in outputs]
+            args = [MSG_FIELD, OUTPUT_TTL_S, FINISHED_OUTPUT_TTL_S]
+            for out in outputs:
+                args += (encode(out), 1 if out.finished else 0)
+            queue(pipe.eval, PUBLISH_LUA, len(keys), *keys, *args)
         if acks:
             # An ended request's entry is not needed any more: deleting it keeps the request
             # stream as long as the unfinished work (the group's lag stays exact: only entries
