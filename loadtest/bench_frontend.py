@@ -86,7 +86,9 @@ def pct(xs: list[float], p: float) -> float:
 # ---------------------------------------------------------------- the token source
 
 def run_source(args) -> None:
-    """Publish one token per running request per step, through the scheduler's RedisLink."""
+    """Publish one token per running request per step, through the scheduler's RedisLink
+    (of the tree measured: the baseline's own output path for the baseline)."""
+    sys.path.insert(0, args.tree)
     import redis
 
     from services.scheduler.redis_link import Heartbeat, RedisLink
@@ -289,7 +291,7 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         src = subprocess.Popen(me + ["--role", "source", "--redis-url", url,
                                      "--step-ms", str(step_ms), "--expect", str(args.streams),
                                      "--token-ids", ",".join(map(str, token_ids)),
-                                     "--out", str(src_out)])
+                                     "--out", str(src_out), "--tree", str(tree)])
         procs.append(src)
         gw_pids = [gw.pid] + children(gw.pid)
         watched = {"gateway": gw_pids, "redis": [redis_proc.pid]}
@@ -379,7 +381,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", default=None,
                     help="path prefix: write cProfile stats of the gateway (one process)")
-    for hidden in ("--redis-url", "--token-ids", "--out"):
+    for hidden in ("--redis-url", "--token-ids", "--out", "--tree"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--step-ms", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--expect", type=int, help=argparse.SUPPRESS)
