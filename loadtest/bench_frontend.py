@@ -40,6 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from loadtest.sse_client import StreamError, stream_completion  # noqa: E402
+
 PREFIX = "benchfe"
 PROFILED = ("import cProfile, os, runpy, signal, sys; p = cProfile.Profile(); "
             "signal.signal(signal.SIGTERM, lambda *a: (p.disable(), p.dump_stats({out!r}), "
@@ -109,6 +111,7 @@ def run_source(args) -> None:
         stop = True
 
     signal.signal(signal.SIGTERM, on_term)
+    cpu0 = own_cpu_s()                  # the publishing loop only, not the imports
     next_step = time.monotonic()
     while not stop and ended < args.expect:
         now = time.time()
@@ -141,66 +144,18 @@ def run_source(args) -> None:
         link.round(outputs, acks, None, read=False)
         for o in outputs:
             published[o.request_id].append(now)
-    Path(args.out).write_text(json.dumps({"published": published, "cpu_s": own_cpu_s()}))
+    Path(args.out).write_text(json.dumps({"published": published, "cpu_s": own_cpu_s() - cpu0}))
 
 
 # ---------------------------------------------------------------- the clients
 
-async def _stream(port: int, body: bytes, out: dict) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\n"
-                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
-                 + body)
-    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-    status = int(head.split(" ", 2)[1])
-    headers = dict(line.split(": ", 1) for line in head.split("\r\n")[1:] if ": " in line)
-    headers = {k.lower(): v for k, v in headers.items()}
-    if status != 200:
-        out.setdefault("_errors", []).append(f"{status} {head[:200]}")
-        writer.close()
-        return
-    rid = headers["x-request-id"]
-    arrivals: list[tuple[float, int]] = []   # (time, tokens in this event)
-    out[rid] = arrivals
-    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
-    raw, sse, done = b"", b"", False
-    loads = json.loads
+async def _stream(port: int, body: dict, out: dict) -> None:
     try:
-        import orjson
-        loads = orjson.loads
-    except ImportError:
-        pass
-    while not done:
-        data = await reader.read(1 << 16)
-        if not data:
-            break
-        t = time.time()
-        if chunked:
-            raw += data
-            while True:
-                eol = raw.find(b"\r\n")
-                if eol < 0:
-                    break
-                size = int(raw[:eol].split(b";")[0], 16)
-                if len(raw) < eol + 2 + size + 2:
-                    break
-                sse += raw[eol + 2:eol + 2 + size]
-                raw = raw[eol + 2 + size + 2:]
-                if size == 0:
-                    done = True
-                    break
-        else:
-            sse += data
-        *events, sse = sse.split(b"\n\n")
-        for ev in events:
-            for line in ev.split(b"\n"):
-                if line.startswith(b"data: {"):
-                    n = sum(len(c.get("text", "")) for c in loads(line[6:])["choices"])
-                    if n:
-                        arrivals.append((t, n))
-                elif line == b"data: [DONE]":
-                    done = True
-    writer.close()
+        rid, arrivals = await stream_completion("127.0.0.1", port, body)
+    except StreamError as exc:
+        out.setdefault("_errors", []).append(str(exc))
+        return
+    out[rid] = arrivals
 
 
 def run_clients(args) -> None:
@@ -211,9 +166,10 @@ def run_clients(args) -> None:
         pass
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    body = json.dumps({"prompt": "hello", "max_tokens": args.tokens, "stream": True,
-                       "ignore_eos": True, "temperature": 0}).encode()
+    body = {"prompt": "hello", "max_tokens": args.tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}
     out: dict = {}
+    cpu0 = own_cpu_s()
 
     async def go():
         # open the streams in waves: a burst of thousands of connects overflows the backlog
@@ -225,7 +181,7 @@ def run_clients(args) -> None:
         await asyncio.gather(*tasks, return_exceptions=False)
 
     asyncio.run(go())
-    Path(args.out).write_text(json.dumps({"streams": out, "cpu_s": own_cpu_s()}))
+    Path(args.out).write_text(json.dumps({"streams": out, "cpu_s": own_cpu_s() - cpu0}))
 
 
 # ---------------------------------------------------------------- one measured run
