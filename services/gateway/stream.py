@@ -5,10 +5,10 @@ response merges them, choices numbered prompt_index * n + j, usage summed.
 
 Plain SSE by default, as OpenAI and vLLM send it: `data: {...}` events, then `data: [DONE]`,
 nothing else; what several outputs read at once add to a choice goes in one event (a
-client that fell behind catches up instead of getting one event per token). A client that sends `X-Resumable-Stream: true` (one prompt) gets a resumable
-stream instead: every event made from a Redis entry carries `id: <entry id>`, a `: keep-alive`
-comment follows each keepalive_s of silence, and the request outlives a dropped connection
-by resume_grace_s:
+client that fell behind catches up instead of getting one event per token). A client that
+sends `X-Resumable-Stream: true` (one prompt) gets a resumable stream instead: every event
+made from a Redis entry carries `id: <entry id>`, a `: keep-alive` comment follows each
+keepalive_s of silence, and the request outlives a dropped connection by resume_grace_s:
 
     id: <header entry>   chat only: {"delta": {"role": "assistant"}} for every choice
     id: <entry 1>        choices that changed in RequestOutput 1
