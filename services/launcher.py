@@ -267,9 +267,11 @@ def _serve_gateway(args, sock: socket.socket | None = None) -> None:
     if sock is not None:
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from services.gateway.servers import settle_heap
     config = uvicorn.Config(create_app(gateway_config(args)), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)   # open streams must not hold up a stop
+    settle_heap()
     uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 

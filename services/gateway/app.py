@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import hmac
 import importlib.metadata
 import json
@@ -60,7 +59,6 @@ try:
     _VERSION = importlib.metadata.version("pagedserve")
 except importlib.metadata.PackageNotFoundError:     # run from a checkout, not installed
     _VERSION = "0+unknown"
-GC_THRESHOLD = (20_000, 50, 100)   # young collections every 20k allocations while serving
 INLINE_PARSE_BYTES = 8192   # bodies up to this size are parsed and tokenized on the event loop
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,100}")   # room left for a prefix and -<i>
@@ -379,12 +377,6 @@ def create_app(config: GatewayConfig | None = None, tokenizer=None) -> Starlette
     async def lifespan(app):
         log.info("gateway serving %s (max_model_len %d) on Redis %s", gw.served_name,
                  gw.config.max_model_len, gw.queue.where)
-        # NOTE: the tokenizer and modules loaded so far stay for the process's life: frozen
-        # out of the collector, they are not rescanned by the collections that the
-        # per-token objects trigger (the scheduler service does the same).
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLD)
         yield
         await gw.follower.close()
         await gw.queue.close()
