@@ -62,6 +62,8 @@ _GATEWAY = [
      "open requests of one API key (or client address) before 429 (0: no limit)"),
     ("--key-max-tokens", "PAGEDSERVE_KEY_MAX_TOKENS", 0, int,
      "tokens (prompt + max_tokens per sequence) one key's open requests may hold (0: no limit)"),
+    ("--api-server-count", "PAGEDSERVE_API_SERVER_COUNT", 0, int,
+     "gateway processes sharing --port (0: one per 4 cores, 1 to 8)"),
 ]
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
@@ -285,19 +287,34 @@ def _run_service(args) -> int:
             return 2
         return run(scheduler_config(args))
     elif args.command == "gateway":
-        import uvicorn
         if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
             print(f"pagedserve gateway: {too_old}", file=sys.stderr)
             return 2
-
-        from services.gateway.app import create_app
-        from services.gateway.limits import uvicorn_options
-        cfg = gateway_config(args)
-        uvicorn.run(create_app(cfg), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), access_log=False,
-                    timeout_graceful_shutdown=5,   # open streams must not hold up a stop
-                    **uvicorn_options(cfg))
+        from services.gateway.servers import api_server_count, run_servers
+        count = api_server_count(args.api_server_count)
+        if count > 1:
+            return run_servers(_serve_gateway, args, args.host, args.port, count)
+        _serve_gateway(args)
     return 0
+
+
+def _serve_gateway(args, sock: socket.socket | None = None) -> None:
+    """One gateway process: on host:port, or on `sock` (one of --api-server-count's)."""
+    import uvicorn
+
+    from services.gateway.app import create_app
+    if sock is not None:
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from services.gateway.limits import uvicorn_options
+    from services.gateway.servers import settle_heap
+    cfg = gateway_config(args)
+    config = uvicorn.Config(create_app(cfg), host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5,   # open streams must not hold up a stop
+                            **uvicorn_options(cfg))
+    settle_heap()
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 
 def _start_ranks(args) -> list[subprocess.Popen]:

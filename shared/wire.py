@@ -108,11 +108,19 @@ def _decoder(tp: Any) -> Callable[[Any], Any]:
                 return tp(*v)
             return dec_plain
 
+        # only the fields that need converting are visited (per output on the gateway's
+        # per-token path: most fields are plain values)
+        convert = [(i, d) for i, d in enumerate(decs) if d is not _identity]
+
         def dec_dc(v: Any) -> Any:
             if not isinstance(v, list) or len(v) > len(decs):
                 raise WireError(f"bad {tp.__name__} body")
             # Older senders may omit trailing fields: those take their defaults.
-            return tp(*[d(x) for d, x in zip(decs, v)])
+            n = len(v)
+            for i, d in convert:
+                if i < n:
+                    v[i] = d(v[i])
+            return tp(*v)
 
         return dec_dc
     if origin in (list, tuple):
@@ -120,7 +128,7 @@ def _decoder(tp: Any) -> Callable[[Any], Any]:
         inner = _decoder(args[0]) if args else (lambda x: x)
         if inner is _identity:
             return lambda v: v if origin is list else tuple(v)
-        return lambda v: [inner(x) for x in v]
+        return lambda v: [inner(x) for x in v] if v else v
     if origin is dict:
         k, val = typing.get_args(tp)
         dv = _decoder(val)

@@ -86,9 +86,20 @@ async def next_outputs(subs: list[Subscription], timeout_s: float
     return out
 
 
+def _raw_xread(response, **_options):
+    """XREAD's reply as Redis sends it: [[key, [[id, [field, value, ..]], ..]], ..]. (redis-py's
+    own parser builds a dict per entry, a Python call per token on this path.)"""
+    if isinstance(response, dict):          # RESP3
+        return list(response.items())
+    return response
+
+
 class StreamFollower:
     def __init__(self, queue: RequestQueue, block_ms: int) -> None:
         self.queue, self.redis, self.block_ms = queue, queue.redis, block_ms
+        # NOTE: this client's XREAD replies are raw from now on; the follower is its only
+        # XREAD caller (queue.py reads single streams with XRANGE).
+        self.redis.set_response_callback("XREAD", _raw_xread)
         self.wake_key = f"{queue.keys.prefix}:gateway-wake:{uuid.uuid4().hex}"
         self.wake_cursor = "0-0"
         self.subs: dict[str, list[Subscription]] = {}
@@ -173,8 +184,9 @@ class StreamFollower:
         while this read was in flight, behind the cursor the read started from, would see
         a gap: it is left for the next read, which starts from its own cursor."""
         decoded = []
-        for raw_id, fields in entries:
-            entry_id, out = raw_id.decode(), read_entry(raw_id, fields)
+        for raw_id, flat in entries:
+            entry_id = raw_id.decode()
+            out = read_entry(raw_id, dict(zip(flat[::2], flat[1::2])))
             if not isinstance(out, RequestOutput):
                 out = None                   # the header, or an undecodable entry
             decoded.append((entry_id, stream_id(entry_id), out))

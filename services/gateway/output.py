@@ -112,8 +112,9 @@ class _Choice:
         return out
 
 
-def _join(first: ChoiceDelta, then: ChoiceDelta) -> ChoiceDelta:
-    """One delta for what a choice gained in two parts of one output (echo, then tokens)."""
+def join(first: ChoiceDelta, then: ChoiceDelta) -> ChoiceDelta:
+    """One delta for what a choice gained in two consecutive parts (echo, then tokens; or
+    two outputs sent as one stream event)."""
     return ChoiceDelta(then.index, first.text + then.text, first.logprobs + then.logprobs,
                        first.text_offsets + then.text_offsets, then.finish_reason,
                        then.stop_reason, first.echo_ids)
@@ -156,7 +157,7 @@ class OutputProcessor:
                     d = SeqDelta(d.index, [], finish_reason="length")
                 delta = self.choices[d.index].advance(d, self.spec.logprobs is not None)
                 if delta is not None and d.index in changed:
-                    delta = _join(changed[d.index], delta)
+                    delta = join(changed[d.index], delta)
                 if delta is not None:
                     changed[d.index] = delta
                     if delta.finish_reason is not None and d.finish_reason is None:

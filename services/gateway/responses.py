@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import orjson
+
 from services.gateway.detokenizer import TokenVocab
 from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
 from services.gateway.tools import CallParser, message_calls, stream_entries
@@ -22,7 +24,13 @@ _FLOOR = -9999.0
 
 
 def dumps(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    """Compact UTF-8 JSON. orjson writes a stream chunk several times faster than json
+    (docs/overhead.md); json takes what orjson refuses (integers over 64 bits)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False).encode()
 
 
 def _lp(x: float) -> float:

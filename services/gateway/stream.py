@@ -4,10 +4,11 @@ A request has one output stream per prompt (/v1/completions takes several prompt
 response merges them, choices numbered prompt_index * n + j, usage summed.
 
 Plain SSE by default, as OpenAI and vLLM send it: `data: {...}` events, then `data: [DONE]`,
-nothing else. A client that sends `X-Resumable-Stream: true` (one prompt) gets a resumable
-stream instead: every event made from a Redis entry carries `id: <entry id>`, a `: keep-alive`
-comment follows each keepalive_s of silence, and the request outlives a dropped connection
-by resume_grace_s:
+nothing else; what several outputs read at once add to a choice goes in one event (a
+client that fell behind catches up instead of getting one event per token). A client that
+sends `X-Resumable-Stream: true` (one prompt) gets a resumable stream instead: every event
+made from a Redis entry carries `id: <entry id>`, a `: keep-alive` comment follows each
+keepalive_s of silence, and the request outlives a dropped connection by resume_grace_s:
 
     id: <header entry>   chat only: {"delta": {"role": "assistant"}} for every choice
     id: <entry 1>        choices that changed in RequestOutput 1
@@ -34,7 +35,7 @@ import logging
 import time
 
 from services.gateway.follower import Subscription, next_outputs, stream_id
-from services.gateway.output import ChoiceDelta, OutputProcessor, usage_of
+from services.gateway.output import ChoiceDelta, OutputProcessor, join, usage_of
 from services.gateway.queue import QueueUnavailable
 from services.gateway.responses import Shapes, dumps
 from services.gateway.validation import ApiError
@@ -260,6 +261,29 @@ class GenerationStream:
         """stream_options.continuous_usage_stats: every chunk carries the usage so far."""
         return usage_of(self.procs) if self.spec.continuous_usage else None
 
+    def _event_per_entry(self, outputs, frames: list[bytes]) -> None:
+        """Resumable: one event per Redis entry, its id the entry's, so that every reader
+        of the stream (live, replaying or resumed) gets the very same events."""
+        for k, entry, out in outputs:
+            if self.parts[k].proc.done:
+                continue
+            deltas = self._process(k, out)
+            if deltas:
+                frames.append(event(entry, self.shapes.chunk(deltas, self._usage_so_far())))
+
+    def _coalesce(self, outputs, frames: list[bytes]) -> None:
+        """Plain SSE: one event for everything the outputs read at once add to each choice.
+        A client (or this gateway) that fell behind gets several tokens per event, as vLLM
+        sends them, instead of an event per token that would keep it behind."""
+        merged: dict[int, ChoiceDelta] = {}      # choice index -> what it gained
+        for k, _entry, out in outputs:
+            if not self.parts[k].proc.done:
+                for d in self._process(k, out):
+                    merged[d.index] = join(merged[d.index], d) if d.index in merged else d
+        if merged:
+            deltas = [merged[i] for i in sorted(merged)]
+            frames.append(event(None, self.shapes.chunk(deltas, self._usage_so_far())))
+
     async def _sse(self, send) -> None:
         cfg, loop = self.gw.config, asyncio.get_running_loop()
         ids = self.resumable                 # event ids only on resumable streams
@@ -304,13 +328,10 @@ class GenerationStream:
             if outputs is None:
                 await self._client_gone()
                 return
-            for k, entry, out in outputs:
-                if self.parts[k].proc.done:
-                    continue
-                deltas = self._process(k, out)
-                if deltas:
-                    frames.append(event(entry if ids else None,
-                                        self.shapes.chunk(deltas, self._usage_so_far())))
+            if outputs and ids:
+                self._event_per_entry(outputs, frames)
+            elif outputs:
+                self._coalesce(outputs, frames)
             await self._stop_finished_choices()
             if self._error() is not None:
                 if not started:

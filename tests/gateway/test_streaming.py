@@ -560,3 +560,28 @@ def test_chat_continue_final_message_and_template_kwargs_shape_the_prompt(http, 
     assert expected.endswith("Blue and")          # the assistant turn is left open
     scheduler.emit(req.request_id, SeqDelta(0, [], finish_reason="length"), finished=True)
     assert fut.result(10).status_code == 200
+
+
+def test_outputs_read_at_once_reach_a_plain_stream_as_one_event(http, scheduler, tokenizer):
+    body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 30}
+    with http.stream("POST", "/v1/completions", json=body) as live:
+        rid = scheduler.take().request.request_id
+        ids = ids_of(tokenizer, "one two three four five")
+        scheduler.emit(rid, SeqDelta(0, ids[:1]))
+        lines = live.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        # the rest in one transaction: the gateway's blocked XREAD returns them together
+        pipe = scheduler.r.pipeline(transaction=True)
+        for k, t in enumerate(ids[1:], 1):
+            last = k == len(ids) - 1
+            out = RequestOutput(rid, [SeqDelta(0, [t], finish_reason="length" if last else None)],
+                                finished=last)
+            pipe.xadd(scheduler.keys.output(rid), {b"m": encode(out)})
+        pipe.execute()
+        events = data_events("\n".join([first, *lines]) + "\n")
+    texts = [e["choices"][0]["text"] for _id, e in events if e != "[DONE]"]
+    assert texts == [tokenizer.decode(ids[:1]), tokenizer.decode(ids[1:])], \
+        "the four outputs read at once: one event"
+    assert "".join(texts) == tokenizer.decode(ids)
+    assert events[-2][1]["choices"][0]["finish_reason"] == "length"
+    assert all(i is None for i, _ in events) and events[-1][1] == "[DONE]"
