@@ -140,6 +140,7 @@ class SchedulerService:
                                 f"scheduler {reply.holder!r}; standing by")
         self.fence, self.instance = reply.fence, info.instance_id
         self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+        self.dashboard.tp = max(1, info.tensor_parallel_size)
         if self.sched is None:
             core = replace(self.config.core, block_size=info.block_size,
                            max_model_len=min(self.config.core.max_model_len,
