@@ -269,6 +269,8 @@ def test_the_picked_replica_shows_its_own_pool_and_a_tensor_parallel_group_one_m
             text = _click_cell(browser, table[0])
             assert f"GPU block {table[0]}: in use, ref count 1" in text, text
             assert f"mapped by {rows[0]}" in text, text
+            if tp == 2:
+                browser.screenshot(os.path.join(DOCS, "dashboard-replicas.png"))
         # each replica shows the request it runs, not the other's
         assert sorted(shown.values()) == sorted(f"cmpl-{i}" for i in ids), shown
     finally:
