@@ -80,8 +80,9 @@ def two_replicas(redis_server, tiny_model):
                                     flags=("--num-gpu-blocks", str(ONE_BLOCKS))),
                         pool.submit(c.start_gateway)]:
                 job.result()
-        c.start_scheduler("sched-a", "exec-a")
-        c.start_scheduler("sched-b", "exec-b")
+            for job in [pool.submit(c.start_scheduler, "sched-a", "exec-a"),
+                        pool.submit(c.start_scheduler, "sched-b", "exec-b")]:
+                job.result()
         yield c
     finally:
         c.stop_all()
