@@ -23,6 +23,7 @@ import redis
 
 from shared.control import ExecutorClient
 from shared.redis_keys import RedisKeys
+from services.scheduler.service import SchedulerServiceConfig
 from tests.browser import Browser
 from tests.cluster import Cluster
 from tests.conftest import REPO, free_port, free_ports, start_stack, stop_process
@@ -67,7 +68,7 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def two_replicas(redis_server, tiny_model):
     """sched-a drives a TP = 2 executor group, sched-b a single executor; each runs one
-    request at a time, so two requests land one on each."""
+    request at a time."""
     model = ["--model", tiny_model]
     c = Cluster(redis_server.url, sched_flags=[*model, "--max-num-seqs", "1"],
                 exec_flags=[*model, "--swap-space-gib", "0.001"], gateway_flags=model)
@@ -241,9 +242,12 @@ def test_the_picked_replica_shows_its_own_pool_and_a_tensor_parallel_group_one_m
     assert browser.evaluate("[...document.querySelectorAll('#replica option')]"
                             ".map(o => o.value)") == ["sched-a", "sched-b"]
 
+    # A replica takes at most 1 + read_headroom requests from the queue (it runs one at a
+    # time), so one request more than that leaves some for the other: both hold requests.
     stop, failed = threading.Event(), []
-    ids = [f"dash-replica-{i}" for i in range(2)]
-    threads = [threading.Thread(target=_stream_until, args=(c.base_url, i, stop, failed))
+    ids = [f"cmpl-dash-replica-{i}" for i in range(SchedulerServiceConfig().read_headroom + 2)]
+    threads = [threading.Thread(target=_stream_until,
+                                args=(c.base_url, i.removeprefix("cmpl-"), stop, failed))
                for i in ids]
     for t in threads:
         t.start()
@@ -251,29 +255,31 @@ def test_the_picked_replica_shows_its_own_pool_and_a_tensor_parallel_group_one_m
     try:
         for name, blocks, tp in (("sched-a", TP_BLOCKS, 2), ("sched-b", ONE_BLOCKS, 1)):
             _pick(browser, name)
-            # that replica's pool (its own size), its one request, the blocks it holds
+            # that replica's pool (its own size), its running request, the blocks it holds
             _wait(browser, f"c.replica === '{name}' && c.gpuBlocks === {blocks} && c.tp === {tp}"
-                           " && s.reqs.length === 1 && s.reqs[0][3] > 0"
-                           " && c.gpuUsed === s.reqs[0][3]", 60)
+                           " && s.reqs.filter(r => r[1] === 'running' && r[3] > 0).length === 1"
+                           " && c.gpuUsed === s.reqs.reduce((n, r) => n + r[3], 0)", 60)
             rows = browser.evaluate("[...document.querySelectorAll('#requests tbody tr')]"
-                                    ".map(tr => tr.dataset.request)")
-            assert len(rows) == 1, rows
-            shown[name] = rows[0]
+                                    ".map(tr => [tr.dataset.request, tr.dataset.status])")
+            shown[name] = {r for r, _ in rows}
+            running = [r for r, status in rows if status == "running"]
+            assert len(running) == 1 and shown[name] <= set(ids), rows
             note = browser.evaluate("document.getElementById('tp-note').textContent")
             assert ("2 tensor-parallel ranks" in note) == (tp == 2), note
             # its block table, and a click on its first block names it
-            browser.evaluate("document.querySelector('#requests tbody tr').click()")
+            browser.evaluate("document.querySelector('#requests tr[data-status=running]').click()")
             title = browser.evaluate("document.getElementById('table-title').textContent")
-            assert title.startswith(rows[0]), title
-            table = browser.evaluate("window.__pagedserve.snapshot.reqs[0][7][0][2]")
+            assert title.startswith(running[0]), title
+            table = browser.evaluate("window.__pagedserve.snapshot.reqs.find("
+                                     "r => r[1] === 'running')[7][0][2]")
             assert table and max(table) < blocks, table
             text = _click_cell(browser, table[0])
             assert f"GPU block {table[0]}: in use, ref count 1" in text, text
-            assert f"mapped by {rows[0]}" in text, text
+            assert f"mapped by {running[0]}" in text, text
             if tp == 2:
                 browser.screenshot(os.path.join(DOCS, "dashboard-replicas.png"))
-        # each replica shows the request it runs, not the other's
-        assert sorted(shown.values()) == sorted(f"cmpl-{i}" for i in ids), shown
+        # each replica shows the requests it holds, none of the other's
+        assert not shown["sched-a"] & shown["sched-b"], shown
     finally:
         stop.set()
         for t in threads:
