@@ -29,7 +29,7 @@ import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, workload  # noqa: E402
 from loadtest.docgen import commit, machine, write_block  # noqa: E402
-from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
+from services.launcher import Stack, build_parser, free_port  # noqa: E402
 from shared.control import ExecutorClient  # noqa: E402
 
 GIB = 1 << 30
@@ -63,17 +63,16 @@ def _gpu_bytes(pids: list[int]) -> dict[int, int]:
 
 
 def run_tp(tp: int, prompts, args) -> dict:
-    grpc = free_ports(tp)
-    flags = ["serve", "--port", str(free_port()), "--grpc-port", str(grpc),
-             "--zmq-port", str(free_ports(tp + 1)), "--dist-port", str(free_port()),
-             "--tensor-parallel-size", str(tp), "--device", args.device, "--dtype", args.dtype,
+    # serve picks free ports for the executor's gRPC, ZeroMQ and rendezvous
+    flags = ["serve", "--port", str(free_port()), "--tensor-parallel-size", str(tp),
+             "--device", args.device, "--dtype", args.dtype,
              "--max-num-seqs", str(args.requests), "--log-level", "warning",
              "--max-queue", "100000"]
     if args.device == "cpu":
         flags += ["--kv-cache-gib", str(args.kv_gib), "--swap-space-gib", "0.0625"]
     with Stack(build_parser().parse_args(flags)) as stack:
         url = stack.start()
-        info = ExecutorClient(f"127.0.0.1:{grpc}").describe()
+        info = ExecutorClient(f"127.0.0.1:{stack.args.grpc_port}").describe()
 
         async def go():
             async with httpx.AsyncClient(base_url=url, timeout=1200,

@@ -10,6 +10,8 @@ few requests hold contiguous stretches is a few hundred numbers, not 10^5.
      "seq": 17,                    increases with each snapshot of this scheduler
      "t": 1764600000.25,           unix seconds when it was built
      "block_size": 16,
+     "tp": 2,                      executor ranks the pool is sharded over (KV heads split;
+                                   every rank holds every block id, so still one map)
      "gpu": {"n": 4096,            physical GPU blocks
              "used": [s, len, ...],      runs of block ids with ref count > 0, ascending
              "ref": [v, count, ...],     their ref counts, run-length, in the same order

@@ -41,15 +41,15 @@ class Cluster:
         return proc
 
     def start_executor(self, name: str = "executor", timeout: float = 300,
-                       inject: str = "") -> None:
-        """Start (or restart on the same ports) one executor."""
+                       inject: str = "", flags: tuple[str, ...] = ()) -> None:
+        """Start (or restart on the same ports) one executor; `flags` after `exec_flags`."""
         if name not in self.executors:
             self.executors[name] = (free_port(), free_ports(2))
         grpc_port, zmq_port = self.executors[name]
         self._spawn(name, ["executor", "--grpc-port", str(grpc_port), "--zmq-port",
                            str(zmq_port), "--device", "cpu", "--dtype", "float32",
                            "--kv-cache-gib", "0.25", "--swap-space-gib", "0.25",
-                           *self.exec_flags], inject)
+                           *self.exec_flags, *flags], inject)
         client = ExecutorClient(f"127.0.0.1:{grpc_port}")
         self._wait(name, lambda: client.is_alive(1.0), timeout)
 
@@ -90,7 +90,7 @@ class Cluster:
     def _wait(self, what: str, ready, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
+            for name, proc in list(self.procs.items()):     # other threads may start more
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}")
             try:

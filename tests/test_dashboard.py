@@ -2,25 +2,31 @@
 
 `pagedserve serve` runs with a small GPU pool (64 blocks of 16 tokens) and swap preemption,
 so a handful of requests shows every state of a block: shared by a cached prompt prefix and
-by forked samples (ref count > 1), swapped out to the CPU pool, and free again. What the test
-reads is the page's own data (`window.__pagedserve.counts`, computed by the page from the
-snapshots it received), never Redis or the scheduler directly. The screenshots it takes are
-the ones in docs/.
+by forked samples (ref count > 1), swapped out to the CPU pool, and free again. A second
+stack has two scheduler replicas, one of them driving a tensor-parallel executor group, on a
+tiny random model. What the tests read is the page's own data (`window.__pagedserve.counts`,
+computed by the page from the snapshots it received), never Redis or the scheduler directly.
+The screenshots they take are the ones in docs/.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import redis
 
+from shared.control import ExecutorClient
 from shared.redis_keys import RedisKeys
+from services.scheduler.service import SchedulerServiceConfig
 from tests.browser import Browser
-from tests.conftest import REPO, start_stack, stop_process
+from tests.cluster import Cluster
+from tests.conftest import REPO, free_port, free_ports, start_stack, stop_process
 
 KEY = "dash-test-key"
 DOCS = os.path.join(REPO, "docs")
@@ -39,6 +45,48 @@ def browser():
     b = Browser()
     yield b
     b.close()
+
+
+TP_BLOCKS, ONE_BLOCKS = 140, 180    # the two replicas' pools: the page tells them apart by size
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama (4 query heads, 2 KV heads, so TP = 2 splits them) behind the
+    bundled model's tokenizer: every service serves it, and it loads and runs in seconds."""
+    from shared.model_source import load_tokenizer, resolve_model
+    from tests.executor.conftest import make_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tok = load_tokenizer(resolve_model())
+    make_tiny_checkpoint(folder, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                         max_position_embeddings=2048, tie_word_embeddings=True)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(redis_server, tiny_model):
+    """sched-a drives a TP = 2 executor group, sched-b a single executor; each runs one
+    request at a time."""
+    model = ["--model", tiny_model]
+    c = Cluster(redis_server.url, sched_flags=[*model, "--max-num-seqs", "1"],
+                exec_flags=[*model, "--swap-space-gib", "0.001"], gateway_flags=model)
+    tp = ("--tensor-parallel-size", "2", "--dist-port", str(free_port()),
+          "--zmq-port", str(free_ports(3)), "--num-gpu-blocks", str(TP_BLOCKS))
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            for job in [pool.submit(c.start_executor, "exec-a", flags=tp),
+                        pool.submit(c.start_executor, "exec-b",
+                                    flags=("--num-gpu-blocks", str(ONE_BLOCKS))),
+                        pool.submit(c.start_gateway)]:
+                job.result()
+            for job in [pool.submit(c.start_scheduler, "sched-a", "exec-a"),
+                        pool.submit(c.start_scheduler, "sched-b", "exec-b")]:
+                job.result()
+        yield c
+    finally:
+        c.stop_all()
 
 
 def _status(url: str, headers: dict | None = None) -> int:
@@ -72,6 +120,41 @@ def _wait(browser: Browser, predicate: str, timeout: float) -> float:
         time.sleep(0.05)
     counts = browser.evaluate("JSON.stringify(window.__pagedserve.counts)")
     raise AssertionError(f"the page never showed {predicate} in {timeout} s; counts: {counts}")
+
+
+def _stream_until(base: str, request_id: str, stop: threading.Event, failed: list) -> None:
+    """Stream one long completion (up to 125 blocks); hang up, which aborts it, once `stop`
+    is set. What went wrong, if anything, is appended to `failed`."""
+    body = {"prompt": "Tell me a very long story about a lighthouse.", "max_tokens": 1980,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300,
+                      headers={"X-Request-Id": request_id}) as r:
+        if r.status_code != 200:
+            failed.append(r.read())
+            return
+        for _ in r.iter_lines():
+            if stop.is_set():
+                return
+    failed.append(f"{request_id} ended before the test hung up")
+
+
+def _click_cell(browser: Browser, block: int) -> str:
+    """A real mouse click on GPU block `block` of the map; the cell description it shows."""
+    x, y = browser.evaluate(f"""(() => {{
+        const r = document.getElementById('map').getBoundingClientRect();
+        const g = window.__pagedserve.layout.g, b = {block};
+        return [r.left + (b % g.cols + 0.5) * g.cell,
+                r.top + (Math.floor(b / g.cols) + 0.5) * g.cell];
+        }})()""")
+    for kind in ("mousePressed", "mouseReleased"):
+        browser.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+    return browser.evaluate("document.getElementById('cell').textContent")
+
+
+def _pick(browser: Browser, replica: str) -> None:
+    """Choose `replica` in the page's picker, as a user's selection does."""
+    browser.evaluate(f"""(() => {{ const s = document.getElementById('replica');
+        s.value = {json.dumps(replica)}; s.dispatchEvent(new Event('change')); }})()""")
 
 
 def test_dashboard_needs_the_key_like_v1(small_stack):
@@ -119,14 +202,7 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser):
     browser.evaluate("[...document.querySelectorAll('#requests tbody tr')]"
                      ".find(tr => window.__pagedserve.snapshot.reqs.find("
                      "r => r[0] === tr.dataset.request)[7].length === 4).click()")
-    x, y = browser.evaluate("""(() => {
-        const r = document.getElementById('map').getBoundingClientRect();
-        const g = window.__pagedserve.layout.g, b = window.__pagedserve.counts.firstShared;
-        return [r.left + (b % g.cols + 0.5) * g.cell, r.top + (Math.floor(b / g.cols) + 0.5) * g.cell];
-        })()""")
-    for kind in ("mousePressed", "mouseReleased"):
-        browser.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
-    text = browser.evaluate("document.getElementById('cell').textContent")
+    text = _click_cell(browser, browser.evaluate("window.__pagedserve.counts.firstShared"))
     assert "in use, ref count" in text and "mapped by" in text, text
     ref = int(text.split("ref count ")[1].split(",")[0])
     assert ref > 1 and text.count("(seq ") == ref, text
@@ -151,5 +227,66 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser):
         t.join(300)
     _wait(browser, "c.gpuUsed === 0 && c.cpuUsed === 0", 2.0)
 
+    browser.pump()
+    assert browser.errors == []
+
+
+def test_the_picked_replica_shows_its_own_pool_and_a_tensor_parallel_group_one_map(
+        two_replicas, browser):
+    c = two_replicas
+    info = ExecutorClient(f"127.0.0.1:{c.executors['exec-a'][0]}").describe()
+    assert info.tensor_parallel_size == 2 and len(info.plan_endpoints) == 2
+    browser.goto(c.base_url + "/dashboard")
+    _wait(browser, "window.__pagedserve.replicas.length === 2", 30)
+    # one entry per scheduler; the TP group's ranks add none
+    assert browser.evaluate("[...document.querySelectorAll('#replica option')]"
+                            ".map(o => o.value)") == ["sched-a", "sched-b"]
+
+    # A replica takes at most 1 + read_headroom requests from the queue (it runs one at a
+    # time), so one request more than that leaves some for the other: both hold requests.
+    stop, failed = threading.Event(), []
+    ids = [f"cmpl-dash-replica-{i}" for i in range(SchedulerServiceConfig().read_headroom + 2)]
+    threads = [threading.Thread(target=_stream_until,
+                                args=(c.base_url, i.removeprefix("cmpl-"), stop, failed))
+               for i in ids]
+    for t in threads:
+        t.start()
+    shown = {}
+    try:
+        for name, blocks, tp in (("sched-a", TP_BLOCKS, 2), ("sched-b", ONE_BLOCKS, 1)):
+            _pick(browser, name)
+            # that replica's pool (its own size), its running request, the blocks it holds
+            _wait(browser, f"c.replica === '{name}' && c.gpuBlocks === {blocks} && c.tp === {tp}"
+                           " && s.reqs.filter(r => r[1] === 'running' && r[3] > 0).length === 1"
+                           " && c.gpuUsed === s.reqs.reduce((n, r) => n + r[3], 0)", 60)
+            rows = browser.evaluate("[...document.querySelectorAll('#requests tbody tr')]"
+                                    ".map(tr => [tr.dataset.request, tr.dataset.status])")
+            shown[name] = {r for r, _ in rows}
+            running = [r for r, status in rows if status == "running"]
+            assert len(running) == 1 and shown[name] <= set(ids), rows
+            note = browser.evaluate("document.getElementById('tp-note').textContent")
+            assert ("2 tensor-parallel ranks" in note) == (tp == 2), note
+            # its block table, and a click on its first block names it
+            browser.evaluate("document.querySelector('#requests tr[data-status=running]').click()")
+            title = browser.evaluate("document.getElementById('table-title').textContent")
+            assert title.startswith(running[0]), title
+            table = browser.evaluate("window.__pagedserve.snapshot.reqs.find("
+                                     "r => r[1] === 'running')[7][0][2]")
+            assert table and max(table) < blocks, table
+            text = _click_cell(browser, table[0])
+            assert f"GPU block {table[0]}: in use, ref count 1" in text, text
+            assert f"mapped by {running[0]}" in text, text
+            if tp == 2:
+                browser.screenshot(os.path.join(DOCS, "dashboard-replicas.png"))
+        # each replica shows the requests it holds, none of the other's
+        assert not shown["sched-a"] & shown["sched-b"], shown
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failed == []
+    for name in ("sched-b", "sched-a"):
+        _pick(browser, name)
+        _wait(browser, f"c.replica === '{name}' && c.gpuUsed === 0 && c.requests === 0", 10)
     browser.pump()
     assert browser.errors == []

@@ -117,6 +117,7 @@ class SchedulerService:
         info = self.executor.wait_ready(timeout_s or self.config.startup_timeout_s)
         self.owner.take(info.instance_id)
         self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
+        self.dashboard.tp = max(1, info.tensor_parallel_size)
         if self.sched is None:
             core = replace(self.config.core, block_size=info.block_size,
                            max_model_len=min(self.config.core.max_model_len,

@@ -37,7 +37,7 @@ def _pool(ref_count: list[int]) -> tuple[list[int], list[int]]:
 
 
 def build_snapshot(sched: Scheduler, name: str, seq: int = 0,
-                   now: float | None = None) -> dict[str, Any]:
+                   now: float | None = None, tp: int = 1) -> dict[str, Any]:
     """Everything the dashboard draws, as the JSON-ready dict shared/dashboard.py describes."""
     bm = sched.block_manager
     gpu, cpu = bm.gpu, bm.cpu
@@ -65,6 +65,7 @@ def build_snapshot(sched: Scheduler, name: str, seq: int = 0,
     return {
         "v": SNAPSHOT_VERSION, "name": name, "seq": seq,
         "t": round(time.time() if now is None else now, 3), "block_size": bm.block_size,
+        "tp": tp,
         "gpu": {"n": gpu.num_blocks, "used": gpu_runs, "ref": gpu_ref,
                 "cached": runs(sorted(gpu.cached.values()))},
         "cpu": {"n": cpu.num_blocks, "used": cpu_runs, "ref": cpu_ref},
@@ -88,6 +89,7 @@ class DashboardPublisher:
         self.name = name
         self.watched = False
         self.seq = 0
+        self.tp = 1              # tensor-parallel ranks of the executor (set on connect)
         self._next_check = 0.0
         self._next_publish = 0.0
 
@@ -101,7 +103,7 @@ class DashboardPublisher:
                 self.watched = bool(self.redis.exists(self.keys.dashboard_watchers))
             if self.watched and sched is not None and now >= self._next_publish:
                 self.seq += 1
-                data = encode_snapshot(build_snapshot(sched, self.name, self.seq))
+                data = encode_snapshot(build_snapshot(sched, self.name, self.seq, tp=self.tp))
                 took = time.monotonic() - now
                 self._next_publish = now + max(1.0 / PUBLISH_HZ, MAX_SHARE * took)
                 self.redis.set(self.keys.dashboard(self.name), data, ex=SNAPSHOT_TTL_S)
