@@ -137,15 +137,7 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
                 raise RuntimeError("llama-server did not become ready in 300 s")
             time.sleep(0.5)
 
-        async def go():
-            async with httpx.AsyncClient(base_url=url, timeout=600,
-                                         limits=httpx.Limits(max_connections=1000)) as c:
-                await _one(c, prompts[0], 4, time.perf_counter())    # warm-up
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*[_one(c, p, out_tokens, t0) for p in prompts])
-                return res, time.perf_counter() - t0
-
-        res, wall = asyncio.run(go())
+        res, wall = asyncio.run(_drive(url, prompts, out_tokens))
     finally:
         proc.terminate()
         try:
@@ -155,6 +147,17 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
     chunks = sum(count for _, _, count in res)
     tokens = n * out_tokens
     return {"wall_s": wall, "tok_s": tokens / wall, "text_chunks": chunks, "tokens": tokens}
+
+
+async def _drive(url: str, prompts, out_tokens: int):
+    """Every prompt streamed at once after one warm-up request: (per-request results, wall)."""
+    limits = httpx.Limits(max_connections=4 * len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await _one(client, prompts[0], 4, time.perf_counter())
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(_one(client, p, out_tokens, start)) for p in prompts]
+        results = [await t for t in tasks]
+    return results, time.perf_counter() - start
 
 
 def main() -> None:
