@@ -24,7 +24,8 @@
 #                  at batch 16/64/128/256 -> bench_stack.json (loadtest/bench_stack.py).
 #                  STACK_DEVICE=cpu runs the same end to end on the CPU with a 2-layer
 #                  SmolLM2-shaped random model at batch 2 and 4: its dry run (a test runs it).
-# Everything printed goes to OUTDIR/all.log; the exit status is 1 when a stage failed. tests/conftest.py needs the redis client:
+# Everything printed goes to OUTDIR/all.log; the exit status is 1 when a stage failed.
+# tests/conftest.py needs the redis client:
 # PYTHONPATH must provide it where it is missing.
 set -u
 OUT=${1:?usage: loadtest/gpu_checks.sh OUTDIR [CHECK...]}
