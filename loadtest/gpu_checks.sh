@@ -17,7 +17,15 @@
 #                  model, bf16 and fp32, CUDA graphs on -> bench_executor_gpu.json
 #   executor_eager the same in bf16 with CUDA graphs off (the baseline), no transformers
 #                  -> bench_executor_gpu_eager.json
-# Everything printed goes to OUTDIR/all.log. tests/conftest.py needs the redis client:
+#   stack          (not in the default list; ~9 min on an H200) the whole stack: a random
+#                  Llama-3.1-8B-shaped bf16 model drawn on the GPU (loadtest/random_model.py,
+#                  with a synthetic tokenizer), then `pagedserve serve` (its own Redis)
+#                  paged and --contiguous in the same KV memory and the in-process engine,
+#                  at batch 16/64/128/256 -> bench_stack.json (loadtest/bench_stack.py).
+#                  STACK_DEVICE=cpu runs the same end to end on the CPU with a 2-layer
+#                  SmolLM2-shaped random model at batch 2 and 4: its dry run (a test runs it).
+# Everything printed goes to OUTDIR/all.log; the exit status is 1 when a stage failed.
+# tests/conftest.py needs the redis client:
 # PYTHONPATH must provide it where it is missing.
 set -u
 OUT=${1:?usage: loadtest/gpu_checks.sh OUTDIR [CHECK...]}
@@ -30,6 +38,7 @@ unset TRITON_INTERPRET
 LOG="$OUT/all.log"
 MODEL=/tmp/smollm2-random
 : > "$LOG"
+FAILED=0
 
 stage() {   # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2 start=$SECONDS rc
@@ -38,6 +47,7 @@ stage() {   # stage NAME SECONDS COMMAND...
     timeout "$limit" "$@" >> "$LOG" 2>&1
     rc=$?
     echo "=== $name: rc=$rc after $((SECONDS - start)) s" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || FAILED=1
 }
 
 random_model() {
@@ -84,10 +94,30 @@ torch.cuda.get_device_name())'" ;;
             --device cuda --model $MODEL --dtypes bfloat16 --requests 256 \
             --batches 1,8,32,64,128,256 --no-hf --cuda-graph-max-batch 0 \
             > '$OUT/bench_executor_gpu_eager.json'" ;;
+    stack)
+        if [ "${STACK_DEVICE:-cuda}" = cuda ]; then
+            SMODEL=${STACK_MODEL:-/tmp/llama8b-random}
+            [ -f "$SMODEL/tokenizer.json" ] || stage stack_model 150 $PY \
+                loadtest/random_model.py "$SMODEL" --shape llama3-8b --dtype bfloat16 \
+                --device cuda --tokenizer
+            stage stack 450 bash -c "$PY loadtest/bench_stack.py --json --model $SMODEL \
+                --device cuda --dtype bfloat16 --batches 16,64,128,256 --output-tokens 128 \
+                --max-model-len 8192 > '$OUT/bench_stack.json'"
+        else
+            SMODEL=${STACK_MODEL:-$OUT/tiny-random}
+            [ -f "$SMODEL/tokenizer.json" ] || stage stack_model 120 $PY \
+                loadtest/random_model.py "$SMODEL" --layers 2 --tokenizer
+            stage stack 300 bash -c "$PY loadtest/bench_stack.py --json --model $SMODEL \
+                --device cpu --dtype float32 --batches 2,4 --output-tokens 8 \
+                --prompt-len 16,48 --max-model-len 128 --kv-tokens 512 \
+                --max-batched-tokens 512 > '$OUT/bench_stack.json'"
+        fi ;;
     *)
-        echo "unknown check $check" | tee -a "$LOG" ;;
+        echo "unknown check $check" | tee -a "$LOG"
+        FAILED=1 ;;
     esac
 done
 echo "=== done $(date +%T)" | tee -a "$LOG"
+exit $FAILED
 # Decode tile tuning (not a check; the defaults in kernels/paged_attention.py come from it):
 #   python -m kernels.bench_paged_attention --tune --batches 1,64 --contexts 4096 --no-sdpa

@@ -17,7 +17,9 @@ class ExecutorConfigError(ValueError):
 @dataclass(slots=True)
 class ExecutorConfig:
     model: str = BUNDLED_NAME          # served name, .gguf path or HF folder (shared.model_source)
-    dtype: str = "auto"                # auto: bf16 on a GPU (fp16 without bf16), fp32 on a CPU
+    # auto: bf16 on a GPU (fp16 without bf16); on a CPU bf16 where it is native and measured
+    # faster (AMX; AVX-512 bf16 on AMD), else fp32 (cpu_gemm.auto_cpu_dtype)
+    dtype: str = "auto"
     device: str = "auto"               # auto: cuda when available, else cpu
     block_size: int = 16               # tokens per KV block
     kv_cache_gib: float = 1.0          # CPU only: KV pool budget (GiB)

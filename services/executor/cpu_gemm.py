@@ -13,6 +13,8 @@ leave the batch); only an available and correct one is ever used. Which correct 
 is fastest depends on the CPU, so the executor times them at start on the model's own
 weights (`pick_fp32_gemm`); docs/executor.md reports them by row count
 (loadtest/bench_cpu_gemm.py).
+
+It also decides what `dtype="auto"` means on a CPU (`auto_cpu_dtype`).
 """
 from __future__ import annotations
 
@@ -152,3 +154,46 @@ def time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
                 times.append(time.perf_counter() - t0)
             total += statistics.median(times) / m
     return total
+
+
+def cpu_bf16() -> tuple[str, str | None]:
+    """(vendor_id, "amx" | "avx512_bf16" | None) of this CPU from /proc/cpuinfo: whether it
+    multiplies bf16 in hardware, with AMX tiles or with AVX-512 bf16 dot products."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else None
+    return vendor, isa
+
+
+def auto_cpu_dtype() -> torch.dtype:
+    """What `dtype="auto"` runs on a CPU: bf16 where it is native and measured faster than
+    fp32 end to end (docs/executor.md, loadtest/bench_executor.py), fp32 elsewhere:
+
+      * AMX (Intel Sapphire Rapids and later): bf16 1.7-2.0x fp32;
+      * AVX-512 bf16 without AMX on AMD (Zen 4, Zen 5): bf16 1.3-1.45x fp32;
+      * AVX-512 bf16 without AMX on Intel: oneDNN's bf16 GEMM runs at about half the fp32
+        rate, so fp32; as on every CPU without bf16 instructions.
+
+    bf16 also needs oneDNN's bf16 weight packing (this torch build), else fp32."""
+    vendor, isa = cpu_bf16()
+    fast = isa == "amx" or (isa == "avx512_bf16" and vendor == "AuthenticAMD")
+    if fast:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16),
+                                                    None)
+        except (AttributeError, RuntimeError):
+            fast = False
+    dtype = torch.bfloat16 if fast else torch.float32
+    log.info("dtype auto on this CPU (%s, bf16 instructions: %s): %s", vendor or "unknown",
+             isa or "none", str(dtype).removeprefix("torch."))
+    return dtype

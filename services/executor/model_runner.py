@@ -24,6 +24,7 @@ import torch
 
 from services.executor.attention import AttentionMetadata
 from services.executor.config import ExecutorConfig, ExecutorConfigError
+from services.executor.cpu_gemm import auto_cpu_dtype
 from services.executor.cuda_graphs import DecodeGraphs, GraphCaptureError
 from services.executor.kv_cache import GIB, KVCache, block_bytes, blocks_in, gpu_kv_budget_bytes
 from services.executor.model_loader import ensure_hf_folder, load_model, read_args
@@ -346,8 +347,8 @@ def _resolve_device(name: str, rank: int = 0) -> torch.device:
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        if device.type == "cpu":
-            return torch.float32   # exact, and no slower than bf16 on CPUs without AMX
+        if device.type == "cpu":   # bf16 where it is native and measured faster, else fp32
+            return auto_cpu_dtype()
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     dtype = _DTYPES[name]
     if device.type == "cpu" and dtype == torch.float16:

