@@ -119,15 +119,15 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
             "-np", str(n), "--no-kv-unified", "-c", str(n * SLOT_CTX), "-t", str(threads),
             "-tb", str(threads), "-b", "2048", "--cont-batching", "--no-webui",
             "--log-disable"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    log_path = CACHE / "llama-server.log"      # a file: an undrained pipe would block it
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}: "
-                                   f"{proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"llama-server exited {proc.returncode}: see {log_path}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -144,6 +144,7 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
     chunks = sum(count for _, _, count in res)
     tokens = n * out_tokens
     return {"wall_s": wall, "tok_s": tokens / wall, "text_chunks": chunks, "tokens": tokens}
