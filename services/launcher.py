@@ -31,6 +31,11 @@ import urllib.request
 
 log = logging.getLogger("pagedserve")
 
+# `serve` starts its services with fork + exec while it holds gRPC channels (its health
+# checks). gRPC's fork handlers then run in the child before exec, and can abort it
+# ("epoll_wait: Bad file descriptor"); the children exec at once and need none of them.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # (flag, env var, default, type, help). One table, shared by `serve` and each service.
 _COMMON = [
     ("--redis-url", "REDIS_URL", None, str, "Redis URL (serve: start a private redis-server if unset)"),
