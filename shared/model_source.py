@@ -71,6 +71,23 @@ def resolve_model(name: str | None = None) -> ModelSource:
         "folder with config.json (models are not downloaded from a hub)")
 
 
+def tokenizer_dir(name: str | None = None) -> Path:
+    """The folder of `name`'s tokenizer files, also where the model's weights are not at
+    hand (the scheduler's image carries no model: it reads the tokenizer the gateway and the
+    executor cached from a GGUF source). Raises ModelNotFound."""
+    try:
+        return resolve_model(name).tokenizer_dir
+    except ModelNotFound:
+        name = name or os.environ.get("PAGEDSERVE_MODEL") or BUNDLED_NAME
+        bundled = name == BUNDLED_NAME or name.lower() in _BUNDLED_ALIASES
+        if not bundled and not name.endswith(".gguf"):
+            raise
+        cache = ModelSource(BUNDLED_NAME if bundled else Path(name).stem, None, None).cache_dir
+        if not (cache / "tokenizer.json").exists():
+            raise
+        return cache
+
+
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer (with its chat template); cached beside the weights after first use."""
     from transformers import AutoTokenizer

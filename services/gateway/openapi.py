@@ -160,7 +160,8 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
     flags = {"add_special_tokens": _opt({"type": "boolean"}),
              "return_token_strs": _opt({"type": "boolean"}), "model": _opt({"type": "string"})}
     tokenize = {"oneOf": [
-        {"type": "object", "required": ["prompt"],
+        # a body with messages is read as chat (its prompt, if any, is an unknown field)
+        {"type": "object", "required": ["prompt"], "not": {"required": ["messages"]},
          "properties": dict(flags, prompt={"type": "string"})},
         {"type": "object", "required": ["messages"],
          "properties": dict(flags, messages=messages,

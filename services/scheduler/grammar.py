@@ -105,8 +105,8 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                from shared.model_source import resolve_model
-                self._tokenizer = load_tokenizer(resolve_model(self.model).tokenizer_dir)
+                from shared.model_source import tokenizer_dir
+                self._tokenizer = load_tokenizer(tokenizer_dir(self.model))
             return self._tokenizer
 
     def compile(self, constraint: OutputConstraint) -> llguidance.LLMatcher:

