@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pagedserve serve
 
+# Two workers, whole files to each (a file's stack fixtures stay in one process): most
+# tests wait on the processes they start, so two run side by side on two cores.
 test: install
-	$(PY) -m pytest -q tests kernels/tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests kernels/tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
