@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loadtest.sse_client import StreamError, stream_completion  # noqa: E402
+from loadtest.docgen import cpu  # noqa: E402
 
 PREFIX = "benchfe"
 PROFILED = ("import cProfile, os, runpy, signal, sys; p = cProfile.Profile(); "
@@ -366,7 +367,7 @@ def main() -> None:
         "added_ms_p50": one["added_ms_p50"], "added_ms_p99": one["added_ms_p99"],
         "one_core_capacity_tokens_per_s": round(1e6 / max(1e-9, one["cpu_us_per_token"]
                                                           ["gateway"])),
-        "runs": rows, "cpu_model": _cpu_model(), "cores": os.cpu_count(),
+        "runs": rows, "cpu_model": cpu(), "cores": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     base = next((r for r in rows if r["label"] == "baseline"), None)
@@ -387,14 +388,6 @@ def main() -> None:
               f"{c['source']:>8.1f}{r['added_ms_p50']:>9.2f}{r['added_ms_p99']:>9.2f}")
     print(f"offered {args.rate:.0f} tok/s over {args.streams} streams; {out['cpu_model']}, "
           f"load avg {out['loadavg_1m']}")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

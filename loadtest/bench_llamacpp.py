@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, run_stack, workload  # noqa: E402
+from loadtest.docgen import cpu  # noqa: E402
 from services.launcher import free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pagedserve" / "llamacpp"
@@ -177,7 +178,7 @@ def main() -> None:
     prompts = workload(args.requests, 0)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     out: dict = {"requests": args.requests, "output_tokens": args.output_tokens,
-                 "loadavg_start": os.getloadavg()[0], "cpu": _cpu_model()}
+                 "loadavg_start": os.getloadavg()[0], "cpu": cpu()}
     for dtype in args.dtypes.split(","):
         model = dequantised_gguf(bundled_gguf(), dtype, CACHE)
         llama = run_llama_server(binary, model, prompts, args.output_tokens, args.threads)
@@ -194,14 +195,6 @@ def main() -> None:
         f"{out['loadavg_end']:.2f}; {out['cpu']}")
     if args.json:
         print(json.dumps(out))
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":
