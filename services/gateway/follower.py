@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Awaitable, Callable
 
 from services.gateway.queue import REDIS_DOWN, QueueUnavailable, RequestQueue, read_entry
 from shared.messages import RequestOutput
@@ -42,7 +43,7 @@ def _wake(fut: asyncio.Future | None) -> None:
 class Subscription:
     """One connection's view of one output stream."""
 
-    __slots__ = ("key", "cursor", "inbox", "error", "waiter", "interrupted")
+    __slots__ = ("key", "cursor", "inbox", "error", "waiter", "interrupted", "pump")
 
     def __init__(self, key: str, cursor: str) -> None:
         self.key = key
@@ -51,6 +52,10 @@ class Subscription:
         self.error: QueueUnavailable | None = None
         self.waiter: asyncio.Future | None = None
         self.interrupted = False
+        # Set by the connection while it waits: the reader calls it (a coroutine that must
+        # not block) with the new entries in the inbox instead of waking the connection's
+        # task; it returns False to have the task woken after all.
+        self.pump: Callable[[], Awaitable[bool]] | None = None
 
     def interrupt(self) -> None:
         """The client left: the pending next_outputs() returns None."""
@@ -154,7 +159,8 @@ class StreamFollower:
         while self.subs:                     # ends when nobody follows; subscribe restarts it
             streams = {self.wake_key: self.wake_cursor}
             for key, subs in self.subs.items():
-                streams[key] = min((s.cursor for s in subs), key=stream_id)
+                streams[key] = (subs[0].cursor if len(subs) == 1
+                                else min((s.cursor for s in subs), key=stream_id))
             self.blocked = True
             try:
                 reply = await self.redis.xread(streams, count=256, block=self.block_ms)
@@ -171,18 +177,35 @@ class StreamFollower:
                 continue
             finally:
                 self.blocked = False
+            pumped: list[Subscription] = []
             for raw_key, entries in reply or []:
                 key = raw_key.decode()
                 if key == self.wake_key:
                     self.wake_cursor = entries[-1][0].decode()
                     continue
-                self._deliver(self.subs.get(key, ()), entries, streams.get(key))
+                self._deliver(self.subs.get(key, ()), entries, streams.get(key), pumped)
+            for s in pumped:
+                await self._pump(s)
 
     @staticmethod
-    def _deliver(subs: list[Subscription], entries, read_from: str | None) -> None:
-        """Hand entries to the subscribers they continue. NOTE: a subscriber that joined
-        while this read was in flight, behind the cursor the read started from, would see
-        a gap: it is left for the next read, which starts from its own cursor."""
+    async def _pump(s: Subscription) -> None:
+        """Let the waiting connection write its new entries from here (no task switch per
+        stream and round); wake its task when it declines, or has stopped waiting."""
+        if s.pump is not None and s.waiter is not None:
+            try:
+                if await s.pump():
+                    return
+            except Exception:                # a bug there must not stop every stream
+                log.exception("writing a stream's events from the reader failed")
+        _wake(s.waiter)
+
+    @staticmethod
+    def _deliver(subs: list[Subscription], entries, read_from: str | None,
+                 pumped: list[Subscription]) -> None:
+        """Hand entries to the subscribers they continue: wake each one, or (when it
+        waits with a pump) append it to `pumped`. NOTE: a subscriber that joined while
+        this read was in flight, behind the cursor the read started from, would see a gap:
+        it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, flat in entries:
             entry_id = raw_id.decode()
@@ -199,4 +222,7 @@ class StreamFollower:
             if fresh:
                 s.cursor = fresh[-1][0]
                 s.inbox.extend((e, out) for e, out in fresh if out is not None)
-                _wake(s.waiter)
+                if s.pump is not None and s.waiter is not None:
+                    pumped.append(s)
+                else:
+                    _wake(s.waiter)
