@@ -21,7 +21,6 @@ from services.gateway.tools import CallParser, message_calls, stream_entries
 from shared.messages import StreamHeader, TokenLogprob
 
 _FLOOR = -9999.0
-_NULL = b"null"
 
 
 def dumps(obj) -> bytes:
@@ -49,38 +48,6 @@ class Shapes:
                      "created": spec.created, "model": spec.model}
         self.calls = spec.tool_calls and self.chat
         self.parsers: dict[int, CallParser] = {}     # choice index -> its stream's parser
-        # A text-only chunk (no logprobs, no tool calls) is written from bytes made once
-        # per request around each delta's text: the same bytes as dumps(chunk(...)).
-        self._text_only = not self.calls and spec.logprobs is None
-        self._head = dumps(self.base)[:-1] + b',"choices":['
-        self._text_key = b',"delta":' if self.chat else b',"text":'
-
-    def chunk_json(self, deltas: list[ChoiceDelta], usage: dict | None = None) -> bytes:
-        """dumps(self.chunk(deltas, usage)), without building the dicts when it can."""
-        if not self._text_only:
-            return dumps(self.chunk(deltas, usage))
-        parts = [self._head]
-        for k, d in enumerate(deltas):
-            if k:
-                parts.append(b",")
-            parts.append(b'{"index":%d' % d.index)
-            parts.append(self._text_key)
-            if not self.chat:
-                parts.append(dumps(d.text))
-            elif d.text:
-                parts.append(b'{"content":' + dumps(d.text) + b"}")
-            else:
-                parts.append(b"{}")
-            parts.append(b',"logprobs":null,"finish_reason":')
-            parts.append(_NULL if d.finish_reason is None else dumps(d.finish_reason))
-            parts.append(b',"stop_reason":')
-            parts.append(_NULL if d.stop_reason is None else dumps(d.stop_reason))
-            parts.append(b"}")
-        if self.spec.include_usage:
-            parts.append(b'],"usage":' + dumps(usage) + b"}")
-        else:
-            parts.append(b"]}")
-        return b"".join(parts)
 
     def token(self, t: int) -> str:
         """A token as logprobs name it: its text, or vLLM's "token_id:<id>" when asked."""

@@ -52,13 +52,9 @@ GRACE_POLL_S = 0.25                         # during the grace period: how often
 
 
 def event(entry_id: str | None, body: dict) -> bytes:
-    return event_json(entry_id, dumps(body))
-
-
-def event_json(entry_id: str | None, data: bytes) -> bytes:
     if entry_id:
-        return b"id: " + entry_id.encode() + b"\ndata: " + data + b"\n\n"
-    return b"data: " + data + b"\n\n"
+        return b"id: " + entry_id.encode() + b"\ndata: " + dumps(body) + b"\n\n"
+    return b"data: " + dumps(body) + b"\n\n"
 
 
 class Part:
@@ -96,7 +92,10 @@ class GenerationStream:
 
     @property
     def done(self) -> bool:
-        return all(p.done for p in self.procs)
+        for p in self.procs:
+            if not p.done:
+                return False
+        return True
 
     def _error(self) -> tuple[str, int] | None:
         return next((p.error for p in self.procs if p.error is not None), None)
@@ -281,8 +280,7 @@ class GenerationStream:
                 continue
             deltas = self._process(k, out)
             if deltas:
-                frames.append(event_json(entry, self.shapes.chunk_json(deltas,
-                                                                       self._usage_so_far())))
+                frames.append(event(entry, self.shapes.chunk(deltas, self._usage_so_far())))
 
     def _coalesce(self, outputs, frames: list[bytes]) -> None:
         """Plain SSE: one event for everything the outputs read at once add to each choice.
@@ -295,7 +293,7 @@ class GenerationStream:
                     merged[d.index] = join(merged[d.index], d) if d.index in merged else d
         if merged:
             deltas = [merged[i] for i in sorted(merged)]
-            frames.append(event_json(None, self.shapes.chunk_json(deltas, self._usage_so_far())))
+            frames.append(event(None, self.shapes.chunk(deltas, self._usage_so_far())))
 
     def _build(self, outputs) -> None:
         if self.resumable:                   # event ids only on resumable streams
