@@ -14,6 +14,17 @@ round trip, and hands each stream's entries to its subscribers:
 
 The wake stream is private to this process: writing to it ends the reader's current
 block, so a new subscriber joins the very next read (no polling delay on the first token).
+
+A streaming response that waits for outputs sets its subscription's pump, and the reader
+calls that instead of waking the response's task:
+
+    reader: XREAD ──▶ entries by key ──▶ sub.pump(): outputs ─▶ SSE event ─▶ send
+                                              │ declined
+                                              └─▶ wake the task (next_outputs returns)
+
+so a read costs one send per stream and no task switch per stream. The pump declines when
+the client's socket buffer is full (send would wait, and the reader must never wait on one
+client: the task waits instead, under the send timeout) or when the outputs end the stream.
 """
 from __future__ import annotations
 
@@ -208,17 +219,18 @@ class StreamFollower:
         it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, flat in entries:
-            entry_id = raw_id.decode()
             out = read_entry(raw_id, dict(zip(flat[::2], flat[1::2])))
             if not isinstance(out, RequestOutput):
                 out = None                   # the header, or an undecodable entry
-            decoded.append((entry_id, stream_id(entry_id), out))
-        start = stream_id(read_from) if read_from is not None else None
+            decoded.append((raw_id.decode(), out))
         for s in subs:
-            after = stream_id(s.cursor)
-            if start is None or after < start:
-                continue
-            fresh = [(e, out) for e, sid, out in decoded if sid > after]
+            if s.cursor == read_from:        # (most often: one subscriber per stream)
+                fresh = decoded
+            else:
+                after = stream_id(s.cursor)
+                if read_from is None or after < stream_id(read_from):
+                    continue
+                fresh = [(e, out) for e, out in decoded if stream_id(e) > after]
             if fresh:
                 s.cursor = fresh[-1][0]
                 s.inbox.extend((e, out) for e, out in fresh if out is not None)

@@ -22,7 +22,10 @@ detokenizer and stop-string state, then streams what follows exactly as the firs
 connection would have (same ids, same text). Without an id it streams from the start.
 Any replica can serve it: the stream's header entry holds the `StreamHeader`.
 
-Outputs arrive through the process-wide `StreamFollower` (one XREAD for all streams).
+Outputs arrive through the process-wide `StreamFollower` (one XREAD for all streams); once
+an SSE response has started, the follower's reader builds and sends its events itself
+(`_pump`) while the response's task waits, and wakes the task only for what needs it: the
+end of the stream, an error, a stop string to abort, or a client whose socket is full.
 Disconnects are watched all along: the client's `http.disconnect` ends the wait for the
 next output at once. A plain request is then aborted at once (every prompt of it). A
 resumable one keeps running: the gateway goes on reading its outputs for resume_grace_s
