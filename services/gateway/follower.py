@@ -219,7 +219,9 @@ class StreamFollower:
         it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, flat in entries:
-            out = read_entry(raw_id, dict(zip(flat[::2], flat[1::2])))
+            # (an output entry has one field: no pairing up of a longer list)
+            fields = {flat[0]: flat[1]} if len(flat) == 2 else dict(zip(flat[::2], flat[1::2]))
+            out = read_entry(raw_id, fields)
             if not isinstance(out, RequestOutput):
                 out = None                   # the header, or an undecodable entry
             decoded.append((raw_id.decode(), out))
@@ -233,7 +235,7 @@ class StreamFollower:
                 fresh = [(e, out) for e, out in decoded if stream_id(e) > after]
             if fresh:
                 s.cursor = fresh[-1][0]
-                s.inbox.extend((e, out) for e, out in fresh if out is not None)
+                s.inbox += [(e, out) for e, out in fresh if out is not None]
                 if s.pump is not None and s.waiter is not None:
                     pumped.append(s)
                 else:
