@@ -196,19 +196,16 @@ class StreamFollower:
                     continue
                 self._deliver(self.subs.get(key, ()), entries, streams.get(key), pumped)
             for s in pumped:
-                await self._pump(s)
-
-    @staticmethod
-    async def _pump(s: Subscription) -> None:
-        """Let the waiting connection write its new entries from here (no task switch per
-        stream and round); wake its task when it declines, or has stopped waiting."""
-        if s.pump is not None and s.waiter is not None:
-            try:
-                if await s.pump():
-                    return
-            except Exception:                # a bug there must not stop every stream
-                log.exception("writing a stream's events from the reader failed")
-        _wake(s.waiter)
+                # the waiting connection writes its new entries from here (no task switch
+                # per stream and read); its task is woken when it declines, or has stopped
+                # waiting meanwhile
+                if s.pump is not None and s.waiter is not None:
+                    try:
+                        if await s.pump():
+                            continue
+                    except Exception:        # a bug there must not stop every stream
+                        log.exception("writing a stream's events from the reader failed")
+                _wake(s.waiter)
 
     @staticmethod
     def _deliver(subs: list[Subscription], entries, read_from: str | None,

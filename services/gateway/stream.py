@@ -311,13 +311,13 @@ class GenerationStream:
         stop string to abort): then it returns False and the reader wakes _sse."""
         if self.gone or self.writable.paused:
             return False
-        sub = self.parts[0].sub
-        outputs = [(0, entry, out) for entry, out in sub.inbox]
-        sub.inbox = []
-        if outputs:
+        part = self.parts[0]                 # (one part: _sse sets a pump only then)
+        if part.sub.inbox:
+            outputs = [(0, entry, out) for entry, out in part.sub.inbox]
+            part.sub.inbox = []
             self.last_news = time.monotonic()
             self._build(outputs)
-        if self.done or self.parts[0].proc.stopped_here or self._error() is not None:
+        if part.proc.done or part.proc.stopped_here:     # (done: also on an error)
             return False
         if self.frames:
             body, self.frames = b"".join(self.frames), []
