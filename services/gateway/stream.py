@@ -90,7 +90,7 @@ class GenerationStream:
         self.frames: list[bytes] = []       # SSE events built and not yet sent
         self.quiet_since = 0.0              # (loop time) when the last SSE bytes were sent
         self.send = None                    # the ASGI send of the SSE body, once started
-        self.writable = None                # the connection's limits.Writable, if the server has one
+        self.writable = None                # the connection's limits.Writable (if any)
         self.pump_error: Exception | None = None
 
     @property
