@@ -14,12 +14,24 @@ round trip, and hands each stream's entries to its subscribers:
 
 The wake stream is private to this process: writing to it ends the reader's current
 block, so a new subscriber joins the very next read (no polling delay on the first token).
+
+A streaming response that waits for outputs sets its subscription's pump, and the reader
+calls that instead of waking the response's task:
+
+    reader: XREAD ──▶ entries by key ──▶ sub.pump(): outputs ─▶ SSE event ─▶ send
+                                              │ declined
+                                              └─▶ wake the task (next_outputs returns)
+
+so a read costs one send per stream and no task switch per stream. The pump declines when
+the client's socket buffer is full (send would wait, and the reader must never wait on one
+client: the task waits instead, under the send timeout) or when the outputs end the stream.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
+from typing import Awaitable, Callable
 
 from services.gateway.queue import REDIS_DOWN, QueueUnavailable, RequestQueue, read_entry
 from shared.messages import RequestOutput
@@ -42,7 +54,7 @@ def _wake(fut: asyncio.Future | None) -> None:
 class Subscription:
     """One connection's view of one output stream."""
 
-    __slots__ = ("key", "cursor", "inbox", "error", "waiter", "interrupted")
+    __slots__ = ("key", "cursor", "inbox", "error", "waiter", "interrupted", "pump")
 
     def __init__(self, key: str, cursor: str) -> None:
         self.key = key
@@ -51,6 +63,10 @@ class Subscription:
         self.error: QueueUnavailable | None = None
         self.waiter: asyncio.Future | None = None
         self.interrupted = False
+        # Set by the connection while it waits: the reader calls it (a coroutine that must
+        # not block) with the new entries in the inbox instead of waking the connection's
+        # task; it returns False to have the task woken after all.
+        self.pump: Callable[[], Awaitable[bool]] | None = None
 
     def interrupt(self) -> None:
         """The client left: the pending next_outputs() returns None."""
@@ -154,7 +170,8 @@ class StreamFollower:
         while self.subs:                     # ends when nobody follows; subscribe restarts it
             streams = {self.wake_key: self.wake_cursor}
             for key, subs in self.subs.items():
-                streams[key] = min((s.cursor for s in subs), key=stream_id)
+                streams[key] = (subs[0].cursor if len(subs) == 1
+                                else min((s.cursor for s in subs), key=stream_id))
             self.blocked = True
             try:
                 reply = await self.redis.xread(streams, count=256, block=self.block_ms)
@@ -171,32 +188,52 @@ class StreamFollower:
                 continue
             finally:
                 self.blocked = False
+            pumped: list[Subscription] = []
             for raw_key, entries in reply or []:
                 key = raw_key.decode()
                 if key == self.wake_key:
                     self.wake_cursor = entries[-1][0].decode()
                     continue
-                self._deliver(self.subs.get(key, ()), entries, streams.get(key))
+                self._deliver(self.subs.get(key, ()), entries, streams.get(key), pumped)
+            for s in pumped:
+                # the waiting connection writes its new entries from here (no task switch
+                # per stream and read); its task is woken when it declines, or has stopped
+                # waiting meanwhile
+                if s.pump is not None and s.waiter is not None:
+                    try:
+                        if await s.pump():
+                            continue
+                    except Exception:        # a bug there must not stop every stream
+                        log.exception("writing a stream's events from the reader failed")
+                _wake(s.waiter)
 
     @staticmethod
-    def _deliver(subs: list[Subscription], entries, read_from: str | None) -> None:
-        """Hand entries to the subscribers they continue. NOTE: a subscriber that joined
-        while this read was in flight, behind the cursor the read started from, would see
-        a gap: it is left for the next read, which starts from its own cursor."""
+    def _deliver(subs: list[Subscription], entries, read_from: str | None,
+                 pumped: list[Subscription]) -> None:
+        """Hand entries to the subscribers they continue: wake each one, or (when it
+        waits with a pump) append it to `pumped`. NOTE: a subscriber that joined while
+        this read was in flight, behind the cursor the read started from, would see a gap:
+        it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, flat in entries:
-            entry_id = raw_id.decode()
-            out = read_entry(raw_id, dict(zip(flat[::2], flat[1::2])))
+            # (an output entry has one field: no pairing up of a longer list)
+            fields = {flat[0]: flat[1]} if len(flat) == 2 else dict(zip(flat[::2], flat[1::2]))
+            out = read_entry(raw_id, fields)
             if not isinstance(out, RequestOutput):
                 out = None                   # the header, or an undecodable entry
-            decoded.append((entry_id, stream_id(entry_id), out))
-        start = stream_id(read_from) if read_from is not None else None
+            decoded.append((raw_id.decode(), out))
         for s in subs:
-            after = stream_id(s.cursor)
-            if start is None or after < start:
-                continue
-            fresh = [(e, out) for e, sid, out in decoded if sid > after]
+            if s.cursor == read_from:        # (most often: one subscriber per stream)
+                fresh = decoded
+            else:
+                after = stream_id(s.cursor)
+                if read_from is None or after < stream_id(read_from):
+                    continue
+                fresh = [(e, out) for e, out in decoded if stream_id(e) > after]
             if fresh:
                 s.cursor = fresh[-1][0]
-                s.inbox.extend((e, out) for e, out in fresh if out is not None)
-                _wake(s.waiter)
+                s.inbox += [(e, out) for e, out in fresh if out is not None]
+                if s.pump is not None and s.waiter is not None:
+                    pumped.append(s)
+                else:
+                    _wake(s.waiter)

@@ -32,6 +32,20 @@ log = logging.getLogger("pagedserve.gateway")
 
 
 # ------------------------------------------------------------ connection deadlines
+WRITABLE = "pagedserve.writable"     # scope key: the connection's Writable
+
+
+class Writable:
+    """Whether a connection's write buffer has room (uvicorn's `send` would wait for it to
+    drain when it has not). Put in every request's scope under WRITABLE, so that a writer
+    that must not wait (the stream follower's reader) can tell before it sends."""
+
+    __slots__ = ("paused",)
+
+    def __init__(self) -> None:
+        self.paused = False
+
+
 class _Deadlines:
     """Mixed into uvicorn's protocol classes; the class attributes are set by protocol_class."""
 
@@ -47,6 +61,7 @@ class _Deadlines:
             # MiBs for a peer that never reads; SSE needs far less.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         self._header_timer = self._send_timer = None
+        self.writable = Writable()
         self._arm_headers()
 
     def connection_lost(self, exc) -> None:
@@ -63,12 +78,14 @@ class _Deadlines:
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        self.writable.paused = True
         if self._send_timer is None:
             self._send_timer = self.loop.call_later(self.send_timeout_s, self._cut,
                                                     "did not read its response")
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        self.writable.paused = False
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None
@@ -107,6 +124,7 @@ def protocol_class(header_timeout_s: float, send_timeout_s: float,
         class Protocol(_Deadlines, base):
             def on_headers_complete(self) -> None:
                 self._headers_done()
+                self.scope[WRITABLE] = self.writable
                 super().on_headers_complete()
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
@@ -117,6 +135,7 @@ def protocol_class(header_timeout_s: float, send_timeout_s: float,
                 super().handle_events()
                 if self.cycle is not cycle:           # a request's headers were parsed
                     self._headers_done()
+                    self.cycle.scope[WRITABLE] = self.writable
 
     Protocol.header_timeout_s = header_timeout_s
     Protocol.send_timeout_s = send_timeout_s

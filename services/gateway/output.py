@@ -143,7 +143,8 @@ class OutputProcessor:
             code = out.error_code if 400 <= out.error_code < 600 else 500
             self.error = (out.error, code)
             return []
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = out.prompt_logprobs
         changed: dict[int, ChoiceDelta] = {}
@@ -196,7 +197,12 @@ class OutputProcessor:
 
     @property
     def done(self) -> bool:
-        return self.error is not None or all(c.done for c in self.choices)
+        if self.error is not None:
+            return True
+        for c in self.choices:               # (asked per output read: no generator)
+            if c.finish_reason is None:
+                return False
+        return True
 
     @property
     def needs_abort(self) -> bool:

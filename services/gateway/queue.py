@@ -20,6 +20,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import ResponseError
@@ -34,6 +35,27 @@ log = logging.getLogger("pagedserve.gateway")
 
 READERS_SUFFIX = ":readers"
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class _HiredisPacking:
+    """Mixed into the pool's connection class: commands packed by hiredis in C (redis-py's
+    own serializer for its blocking client). The asyncio client packs every argument in
+    Python, and the follower's XREAD names two per followed stream on every read
+    (docs/overhead.md)."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args):
+        return self._packer.pack(*args)
+
+
+def _packing_in_c(pool: aioredis.ConnectionPool) -> None:
+    try:
+        import hiredis  # noqa: F401  (redis[hiredis]; without it, redis-py's packer)
+    except ImportError:
+        return
+    base = pool.connection_class
+    pool.connection_class = type(base.__name__, (_HiredisPacking, base), {})
 
 
 class QueueUnavailable(RuntimeError):
@@ -51,6 +73,7 @@ class RequestQueue:
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=5.0, socket_connect_timeout=2.0,
             socket_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 1))
+        _packing_in_c(pool)
         self.redis = aioredis.Redis(connection_pool=pool)
         self.where = url.split("@")[-1]     # host part only: never echo a password
 

@@ -22,7 +22,10 @@ detokenizer and stop-string state, then streams what follows exactly as the firs
 connection would have (same ids, same text). Without an id it streams from the start.
 Any replica can serve it: the stream's header entry holds the `StreamHeader`.
 
-Outputs arrive through the process-wide `StreamFollower` (one XREAD for all streams).
+Outputs arrive through the process-wide `StreamFollower` (one XREAD for all streams); once
+an SSE response has started, the follower's reader builds and sends its events itself
+(`_pump`) while the response's task waits, and wakes the task only for what needs it: the
+end of the stream, an error, a stop string to abort, or a client whose socket is full.
 Disconnects are watched all along: the client's `http.disconnect` ends the wait for the
 next output at once. A plain request is then aborted at once (every prompt of it). A
 resumable one keeps running: the gateway goes on reading its outputs for resume_grace_s
@@ -35,6 +38,7 @@ import logging
 import time
 
 from services.gateway.follower import Subscription, next_outputs, stream_id
+from services.gateway.limits import WRITABLE
 from services.gateway.output import ChoiceDelta, OutputProcessor, join, usage_of
 from services.gateway.queue import QueueUnavailable
 from services.gateway.responses import Shapes, dumps
@@ -51,8 +55,9 @@ GRACE_POLL_S = 0.25                         # during the grace period: how often
 
 
 def event(entry_id: str | None, body: dict) -> bytes:
-    head = f"id: {entry_id}\n".encode() if entry_id else b""
-    return head + b"data: " + dumps(body) + b"\n\n"
+    if entry_id:
+        return b"id: " + entry_id.encode() + b"\ndata: " + dumps(body) + b"\n\n"
+    return b"data: " + dumps(body) + b"\n\n"
 
 
 class Part:
@@ -82,10 +87,18 @@ class GenerationStream:
         # the response's X-Request-Id: the client's own when it sent one
         self.x_request_id = (echo_request_id or response_id).encode()
         self.started_at = self.last_news = time.monotonic()
+        self.frames: list[bytes] = []       # SSE events built and not yet sent
+        self.quiet_since = 0.0              # (loop time) when the last SSE bytes were sent
+        self.send = None                    # the ASGI send of the SSE body, once started
+        self.writable = None                # the connection's limits.Writable (if any)
+        self.pump_error: Exception | None = None
 
     @property
     def done(self) -> bool:
-        return all(p.done for p in self.procs)
+        for p in self.procs:
+            if not p.done:
+                return False
+        return True
 
     def _error(self) -> tuple[str, int] | None:
         return next((p.error for p in self.procs if p.error is not None), None)
@@ -100,6 +113,7 @@ class GenerationStream:
                     part.sub.interrupt()
 
         watcher = asyncio.ensure_future(watch())
+        self.writable = scope.get(WRITABLE)
         self.gw.metrics.streams.inc()
         try:
             if self.resumed:
@@ -284,37 +298,73 @@ class GenerationStream:
             deltas = [merged[i] for i in sorted(merged)]
             frames.append(event(None, self.shapes.chunk(deltas, self._usage_so_far())))
 
+    def _build(self, outputs) -> None:
+        if self.resumable:                   # event ids only on resumable streams
+            self._event_per_entry(outputs, self.frames)
+        else:
+            self._coalesce(outputs, self.frames)
+
+    async def _pump(self) -> bool:
+        """Called by the follower's reader while _sse waits for outputs, with new ones in
+        the inbox: build their event and send it from there, unless the client's socket
+        is full (send would wait) or the outputs need _sse (the stream ended, an error, a
+        stop string to abort): then it returns False and the reader wakes _sse."""
+        if self.gone or self.writable.paused:
+            return False
+        part = self.parts[0]                 # (one part: _sse sets a pump only then)
+        if part.sub.inbox:
+            outputs = [(0, entry, out) for entry, out in part.sub.inbox]
+            part.sub.inbox = []
+            self.last_news = time.monotonic()
+            self._build(outputs)
+        if part.proc.done or part.proc.stopped_here:     # (done: also on an error)
+            return False
+        if self.frames:
+            body, self.frames = b"".join(self.frames), []
+            self.quiet_since = asyncio.get_running_loop().time()
+            try:
+                await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            except Exception as exc:         # raised in _sse, on the response's own task
+                self.pump_error = exc
+                return False
+        return True
+
     async def _sse(self, send) -> None:
         cfg, loop = self.gw.config, asyncio.get_running_loop()
         ids = self.resumable                 # event ids only on resumable streams
-        frames: list[bytes] = []
         header_id = self.parts[0].header_id
         if self.spec.kind == "chat" and (self.last_event_id is None or
                                          stream_id(self.last_event_id) < stream_id(header_id)):
             indices = [p.base + j for p in self.procs for j in range(p.spec.n)]
-            frames.append(event(header_id if ids else None,
-                                self.shapes.role_chunk(indices, self._usage_so_far())))
+            self.frames.append(event(header_id if ids else None,
+                                     self.shapes.role_chunk(indices, self._usage_so_far())))
         # A fresh stream holds its headers briefly: a refusal then becomes an HTTP status.
         started = False
         hold_until = loop.time() + (0.0 if self.resumed else cfg.stream_start_wait_s)
-        quiet_since = loop.time()
+        self.quiet_since = loop.time()
+        # Once started, the follower's reader may send what arrives while this waits (one
+        # part only, and only on a server that says when its socket is full).
+        sub = self.parts[0].sub if len(self.parts) == 1 and self.writable is not None else None
 
         async def flush(more: bool = True) -> None:
-            nonlocal started, frames, quiet_since
+            nonlocal started
             if not started:
                 started = True
                 headers = [*SSE_HEADERS, (b"x-request-id", self.x_request_id)]
                 if self.resumable:
                     headers.append((RESUMABLE_HEADER.encode(), b"true"))
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": b"".join(frames),
-                        "more_body": more})
-            frames, quiet_since = [], loop.time()
+                self.send = send
+            body, self.frames = b"".join(self.frames), []
+            self.quiet_since = loop.time()
+            await send({"type": "http.response.body", "body": body, "more_body": more})
 
         while not self.done:
             wait = cfg.read_block_ms / 1000
             if not started:
                 wait = min(wait, max(0.001, hold_until - loop.time()))
+            elif sub is not None:
+                sub.pump = self._pump
             try:
                 outputs = await self._next(wait)
             except QueueUnavailable as exc:
@@ -322,32 +372,35 @@ class GenerationStream:
                     raise
                 hint = (f"resume it with GET /v1/streams/{self.spec.request_id}"
                         if self.resumable else "retry the request")
-                frames.append(event(None, ApiError(503, f"{exc}; the stream broke off: {hint}"
-                                                   ).body()))
+                self.frames.append(event(None, ApiError(
+                    503, f"{exc}; the stream broke off: {hint}").body()))
                 break
+            finally:
+                if sub is not None:
+                    sub.pump = None
+            if self.pump_error is not None:
+                raise self.pump_error
             if outputs is None:
                 await self._client_gone()
                 return
-            if outputs and ids:
-                self._event_per_entry(outputs, frames)
-            elif outputs:
-                self._coalesce(outputs, frames)
+            if outputs:
+                self._build(outputs)
             await self._stop_finished_choices()
             if self._error() is not None:
                 if not started:
                     raise self._refusal()
-                frames.append(event(None, self._refusal().body()))
+                self.frames.append(event(None, self._refusal().body()))
                 break
             if not started and (outputs or loop.time() >= hold_until):
                 await flush()
-            elif frames and started:
+            elif self.frames and started:
                 await flush()
-            elif started and self.resumable and loop.time() - quiet_since >= cfg.keepalive_s:
-                frames.append(b": keep-alive\n\n")
+            elif started and self.resumable and loop.time() - self.quiet_since >= cfg.keepalive_s:
+                self.frames.append(b": keep-alive\n\n")
                 await flush()
         await self._abort_all("stop_string" if self._error() is None else "sibling_refused")
         if self.spec.include_usage and self._error() is None and self.done:
-            frames.append(event(None, self.shapes.usage_chunk(self.procs)))
+            self.frames.append(event(None, self.shapes.usage_chunk(self.procs)))
         self._count_usage()
-        frames.append(DONE)
+        self.frames.append(DONE)
         await flush(more=False)

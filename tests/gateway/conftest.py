@@ -20,6 +20,7 @@ import uvicorn
 from services.gateway.app import create_app
 from services.launcher import free_port
 from services.gateway.config import GatewayConfig
+from services.gateway.limits import uvicorn_options
 from shared.messages import AbortRequest, GenerationRequest, RequestOutput, SeqDelta
 from shared.model_source import load_tokenizer, resolve_model
 from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD, RedisKeys
@@ -81,8 +82,10 @@ class ServerThread:
         self.app = create_app(config, tokenizer=tokenizer)
         self.config = config
         self.url = f"http://127.0.0.1:{config.port}"
+        # the gateway's own protocol and options, as `pagedserve gateway` serves it
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=config.port,
-                                                    log_level="warning", access_log=False))
+                                                    log_level="warning", access_log=False,
+                                                    **uvicorn_options(config)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
