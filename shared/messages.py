@@ -70,6 +70,9 @@ class GenerationRequest:
     sampling: SamplingParams
     priority: int = 0                # lower value = more important (vLLM convention)
     arrival_time: float = 0.0        # unix seconds, set by the gateway
+    # Whose request: an opaque id the gateway derives from the client's API key (a hash,
+    # never the key), the unit of the scheduler's fair admission; "" for untagged requests.
+    tenant: str = ""
 
 
 @message

@@ -11,10 +11,9 @@ Each step spends a token budget (max_num_batched_tokens) over, in this order:
                      preempted (recompute) to admit a waiting request that does not fit
 
 Prefill chunks and decodes share a step (chunked prefill). This module is the policy: the
-queues, the admission order and the choice of victims (priority.py: those of a more important
-waiting request). Block counting is the block manager's (block_manager.py), the plan's rows
-and the executors' mirror the plan builder's (plan.py), applying a result (finish rules,
-beams, the step's news) outputs.py's, and a grammar's hooks constrained.py's.
+queues, the admission order (fairness.py: tenants' fair shares), the victims (priority.py:
+those of a more important waiting request). Blocks are block_manager.py's, the plan's rows
+plan.py's, applying a result outputs.py's, a grammar's hooks constrained.py's.
 
 Parallel sampling (n > 1) computes the prompt once: seq 0 prefills all but the last prompt
 token, then n seqs fork from it, sharing its blocks; each computes the last prompt token
@@ -31,6 +30,7 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, block_manager_for
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.fairness import FairQueue
 from services.scheduler.grammar import Grammars, admit_constrained
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.priority import victims_for
@@ -66,9 +66,8 @@ class Scheduler:
         self._pending_finished: list[int] = []   # seq ids the executors must drop next plan
         # The plan in flight: (step id, the Sequence of each row, seqs swapped out by it).
         self._inflight: tuple[int, list[Sequence], list[Sequence]] | None = None
-        self._step_id = 0
-        self._next_seq_id = 0
-        self._next_order = 0
+        self._step_id = self._next_seq_id = self._next_order = 0
+        self.fair = FairQueue()        # virtual start times: the waiting queue's order
         # Per schedule(): a group was preempted for blocks (then nothing is swapped in or
         # admitted), and the admission bound of priority preemption (only groups that sort
         # before it are admitted this step; its victims are being dropped in this plan).
@@ -98,7 +97,7 @@ class Scheduler:
                                  "(response_format, structured_outputs, tools): drop one")
         order = self._next_order
         self._next_order += 1
-        key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
+        key = (req.priority if cfg.policy == "priority" else 0, self.fair.start(req), order)
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
         for _ in range(1 if group.is_beam else sp.n):
@@ -244,6 +243,7 @@ class Scheduler:
                 return
             heapq.heappop(waiting)
             self.num_waiting -= 1
+            self.fair.admitted(group.sort_key[1])
             # (a recomputed seq may hit its own output too: only prompt tokens count)
             hit = min(len(cached) * self.block_size, group.prompt_len)
             if bm.enable_prefix_caching and group.prompt_logprobs is None:
