@@ -13,11 +13,18 @@ queued beyond its share; a tenant's own requests keep their arrival order. With 
 (or all requests untagged) the order is arrival order, as before. Idle tenants bank no
 credit: their start is never below V.
 
+Being first in the queue is not enough when another tenant's running groups hold the seats
+or the blocks: then a waiting request of a tenant with nothing running preempts, by
+recompute, the latest groups of tenants that run more than one (each keeps its earliest),
+as a more important request does under the priority policy (priority.py counts whether
+that makes room). A victim goes to the back of its own tenant's line.
+
 NOTE: the cost is what a request may hold (its prompt and every token it may sample), the
 same measure as the gateway's per-key token budget, so n=16 counts 16 times.
 """
 from __future__ import annotations
 
+from services.scheduler.sequence import SequenceGroup
 from shared.messages import GenerationRequest
 
 # Finish times at or below V are forgotten (they would start at V anyway) once this many
@@ -49,7 +56,30 @@ class FairQueue:
             self.finish = {t: f for t, f in finish.items() if f > v}
         return start
 
+    def requeue(self, group: SequenceGroup, order: int) -> tuple:
+        """The queue key of a group preempted for another tenant: behind its tenant's line."""
+        return (group.sort_key[0], self.start(group.request), order)
+
     def admitted(self, start: float) -> None:
         """A request of this virtual start left the waiting queue for the first time."""
         if start > self.vtime:
             self.vtime = start
+
+
+def fair_candidates(head: SequenceGroup, running: list[SequenceGroup]) -> list[SequenceGroup]:
+    """The running groups (queue order) that `head` may preempt for its tenant's share: none
+    if its tenant runs anything; else every group of a tenant after that tenant's earliest,
+    of head's priority or a lower one."""
+    tenant = head.request.tenant
+    first: set[str] = set()
+    out = []
+    for g in running:
+        t = g.request.tenant
+        if t == tenant:
+            return []
+        if t in first:
+            if g.sort_key[0] >= head.sort_key[0]:
+                out.append(g)
+        else:
+            first.add(t)
+    return out

@@ -48,7 +48,7 @@ from shared.wire import MAX_MESSAGE_BYTES, decode, encode
 log = logging.getLogger("pagedserve.scheduler")
 
 # A step still running after this long reads the request queue again (seconds).
-READ_DURING_STEP_S = 0.05
+READ_DURING_STEP_S = 0.02
 # Young-generation GC threshold of the running service (see serve()); benchmarks reuse it.
 GC_THRESHOLD = (20_000, 50, 100)
 

@@ -50,3 +50,36 @@ def test_fairness_orders_within_a_priority_only(calm_priority, expect_calm_at):
     order = admission_order(flood + [("calm", "c", 1)], policy="priority",
                             priorities={"calm": calm_priority})
     assert order.index("calm") == expect_calm_at
+
+
+def test_a_tenant_with_nothing_running_preempts_another_tenants_latest_group():
+    # Two groups of 8 of the flooding tenant hold all 16 seats; the calm tenant's request is
+    # admitted in the very next step, by recompute of the flood's latest group, which then
+    # waits behind the flood's own queued request; the flood keeps its earliest group.
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=16, max_model_len=256), 256, 0)
+    ex = FakeExecutor(256, 0, 4)
+
+    def add(rid, tenant, n, max_tokens=40):
+        sched.add_request(GenerationRequest(
+            rid, [1, 2, 3, 4, 5], SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0),
+            tenant=tenant))
+
+    def step():
+        plan = sched.schedule()
+        sched.update(plan, ex.execute(plan))
+        return plan
+
+    add("flood0", "f", 8)
+    add("flood1", "f", 8)
+    add("flood2", "f", 8)
+    for _ in range(4):
+        step()
+    assert [g.request_id for g in sched.running] == ["flood0", "flood1"]
+    add("calm", "c", 1, max_tokens=4)
+    plan = step()
+    assert "calm" in {ns.request_id for ns in plan.new_seqs}
+    assert [g.request_id for g in sched.running] == ["flood0", "calm"]
+    assert [g.request_id for _, g in sorted(sched.waiting)] == ["flood2", "flood1"]
+    while sched.has_unfinished():
+        step()
+    assert sched.stats().num_preemptions == 1
