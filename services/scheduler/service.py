@@ -5,7 +5,8 @@ One iteration, with Redis I/O overlapped with the executor's forward pass:
     plan_k = schedule()          ─── ZMQ PUSH ──▶ executor ranks (forward k runs ...)
     one Redis round trip:  publish outputs of step k-1, heartbeat, ack finished requests,
                            read new requests (consumer group) and aborts
-    result_k  ◀── ZMQ PULL ───── executor rank 0
+    result_k  ◀── ZMQ PULL ───── executor rank 0   (a step past READ_DURING_STEP_S reads
+                                                     new requests again while it waits)
     outputs_k = update(plan_k, result_k); then admit the requests / apply the aborts read above
 
 New requests and aborts are applied only between update() and the next schedule(), so the
