@@ -413,6 +413,7 @@ def create_app(config: GatewayConfig | None = None, tokenizer=None) -> Starlette
                  gw.config.max_model_len, gw.queue.where)
         yield
         await gw.follower.close()
+        await gw.budgets.close()
         await gw.queue.close()
         gw.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 

@@ -146,6 +146,16 @@ class KeyBudgets:
                         len(holdings), exc)
             self._unreleased += holdings
 
+    async def close(self) -> None:
+        """A clean stop: this gateway's shares stop counting at once (its liveness key goes)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+            try:
+                await self.queue.redis.delete(self.keys.gateway_alive(self.gateway_id))
+            except Exception as exc:  # noqa: BLE001 - then its shares expire with the lease
+                log.warning("could not drop the budget lease (%s)", exc)
+
     async def _renew(self) -> None:
         """Keep this gateway's holdings alive, and give back those Redis missed."""
         alive = self.keys.gateway_alive(self.gateway_id)
