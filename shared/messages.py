@@ -75,6 +75,14 @@ class GenerationRequest:
     tenant: str = ""
 
 
+def token_cost(req: GenerationRequest) -> int:
+    """Tokens a request may hold in the KV cache at its end: its prompt plus max_tokens for
+    each sequence it runs (n, or the beam width). The gateway's per-key budgets and the
+    scheduler's fair shares both count in it."""
+    sp = req.sampling
+    return len(req.prompt_token_ids) + max(1, sp.beam_width or sp.n) * sp.max_tokens
+
+
 @message
 class AbortRequest:
     request_id: str

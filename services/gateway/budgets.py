@@ -28,7 +28,7 @@ import logging
 import uuid
 
 from services.gateway.validation import ApiError
-from shared.messages import GenerationRequest
+from shared.messages import GenerationRequest, token_cost
 from shared.redis_keys import RedisKeys
 
 log = logging.getLogger("pagedserve.gateway")
@@ -70,12 +70,8 @@ def tenant_id(key: str) -> str:
 
 
 def request_cost(requests: list[GenerationRequest]) -> int:
-    """Tokens a request may hold in the KV cache at its end: prompt + max_tokens per sequence."""
-    cost = 0
-    for r in requests:
-        width = r.sampling.beam_width or r.sampling.n
-        cost += len(r.prompt_token_ids) + max(1, width) * r.sampling.max_tokens
-    return cost
+    """Tokens an HTTP request's prompts may hold in the KV cache at their end."""
+    return sum(token_cost(r) for r in requests)
 
 
 class KeyBudgets:

@@ -19,41 +19,38 @@ recompute, the latest groups of tenants that run more than one (each keeps its e
 as a more important request does under the priority policy (priority.py counts whether
 that makes room). A victim goes to the back of its own tenant's line.
 
-NOTE: the cost is what a request may hold (its prompt and every token it may sample), the
-same measure as the gateway's per-key token budget, so n=16 counts 16 times.
+NOTE: the cost is what a request may hold (messages.token_cost: its prompt and every token
+it may sample), the measure of the gateway's per-key token budget, so n=16 counts 16 times.
 """
 from __future__ import annotations
 
 from services.scheduler.sequence import SequenceGroup
-from shared.messages import GenerationRequest
+from shared.messages import GenerationRequest, token_cost
 
 # Finish times at or below V are forgotten (they would start at V anyway) once this many
-# tenants are remembered.
+# tenants are remembered (then twice as many as remain, so pruning stays rare).
 _PRUNE_AT = 1024
-
-
-def request_cost(req: GenerationRequest) -> int:
-    sp = req.sampling
-    return len(req.prompt_token_ids) + max(1, sp.beam_width or sp.n) * max(1, sp.max_tokens)
 
 
 class FairQueue:
     """Virtual start times of arriving requests, per tenant."""
 
-    __slots__ = ("vtime", "finish")
+    __slots__ = ("vtime", "finish", "prune_at")
 
     def __init__(self) -> None:
         self.vtime = 0.0
         self.finish: dict[str, float] = {}
+        self.prune_at = _PRUNE_AT
 
     def start(self, req: GenerationRequest) -> float:
         """The virtual start of a request arriving now (and its tenant's new finish)."""
         finish = self.finish
         start = max(self.vtime, finish.get(req.tenant, 0.0))
-        finish[req.tenant] = start + request_cost(req)
-        if len(finish) > _PRUNE_AT:
+        finish[req.tenant] = start + token_cost(req)
+        if len(finish) > self.prune_at:
             v = self.vtime
             self.finish = {t: f for t, f in finish.items() if f > v}
+            self.prune_at = max(_PRUNE_AT, 2 * len(self.finish))
         return start
 
     def requeue(self, group: SequenceGroup, order: int) -> tuple:
@@ -61,7 +58,7 @@ class FairQueue:
         return (group.sort_key[0], self.start(group.request), order)
 
     def admitted(self, start: float) -> None:
-        """A request of this virtual start left the waiting queue for the first time."""
+        """A request of this virtual start was admitted: the virtual time moves up to it."""
         if start > self.vtime:
             self.vtime = start
 
