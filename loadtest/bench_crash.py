@@ -15,12 +15,14 @@ Figures: docs/reliability.md.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.docgen import commit, cpu  # noqa: E402
 from tests.serve_stack import Serve  # noqa: E402
 from tests.test_faults import launch  # noqa: E402
 
@@ -99,7 +101,9 @@ def two_stacks() -> dict:
 def main() -> None:
     which = sys.argv[1:] or ["executor", "scheduler", "redis", "two"]
     for name in which:
-        print(json.dumps(two_stacks() if name == "two" else kill_scenario(name)), flush=True)
+        row = two_stacks() if name == "two" else kill_scenario(name)
+        row.update(load_average=os.getloadavg(), cpu=cpu(), commit=commit())
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

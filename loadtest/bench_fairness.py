@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -25,6 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.docgen import commit, cpu  # noqa: E402
 from tests.serve_stack import Serve  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -86,7 +88,8 @@ def scenario(name: str, flags: list[str], flooders: int, rounds: int) -> dict:
             t.join(timeout=600)
         return {"stack": name, "flags": " ".join(flags), "calm_p50_idle_s": round(idle, 3),
                 "calm_p50_flood_s": round(flooded, 3), "ratio": round(flooded / idle, 2),
-                "flood_requests": counts}
+                "flood_requests": counts, "load_average": os.getloadavg(), "cpu": cpu(),
+                "commit": commit()}
     finally:
         s.stop()
 

@@ -70,6 +70,17 @@ class GenerationRequest:
     sampling: SamplingParams
     priority: int = 0                # lower value = more important (vLLM convention)
     arrival_time: float = 0.0        # unix seconds, set by the gateway
+    # Whose request: an opaque id the gateway derives from the client's API key (a hash,
+    # never the key), the unit of the scheduler's fair admission; "" for untagged requests.
+    tenant: str = ""
+
+
+def token_cost(req: GenerationRequest) -> int:
+    """Tokens a request may hold in the KV cache at its end: its prompt plus max_tokens for
+    each sequence it runs (n, or the beam width). The gateway's per-key budgets and the
+    scheduler's fair shares both count in it."""
+    sp = req.sampling
+    return len(req.prompt_token_ids) + max(1, sp.beam_width or sp.n) * sp.max_tokens
 
 
 @message

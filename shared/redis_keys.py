@@ -12,6 +12,10 @@
                                pending requests ("taken by <other>" once another took them over)
     {prefix}:dash:watchers     string, short TTL: a dashboard page is open (shared/dashboard.py)
     {prefix}:dash:snap:{name}  string: that scheduler's latest block-map snapshot (short TTL)
+    {prefix}:budget:{tenant}   hash: "<gateway id>/<n>" -> tokens, one API key's open requests
+                               across every gateway process (services/gateway/limits.py)
+    {prefix}:gateway:{id}      string, short TTL: that gateway process is alive (its budget
+                               holdings count only while it is)
 
 A client resumes a stream with Last-Event-ID = the Redis entry id of the last event it saw.
 """
@@ -67,3 +71,9 @@ class RedisKeys:
 
     def dashboard(self, scheduler_name: str) -> str:
         return f"{self.prefix}:dash:snap:{scheduler_name}"
+
+    def budget(self, tenant: str) -> str:
+        return f"{self.prefix}:budget:{tenant}"
+
+    def gateway_alive(self, gateway_id: str) -> str:
+        return f"{self.prefix}:gateway:{gateway_id}"

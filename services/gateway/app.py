@@ -13,7 +13,7 @@
 
 Stateless: any replica can serve any request (or resume any stream). Bearer keys, when
 configured, guard /v1/*, /tokenize and /detokenize (and /dashboard, which checks them
-itself). Connection deadlines and per-key budgets: limits.py. A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
+itself). Connection deadlines: limits.py; per-key budgets: budgets.py. A client's `X-Request-Id` (letters, digits, `_.-`, up to 100)
 becomes the request's id (`cmpl-<it>`, `chatcmpl-<it>`) and is echoed in the response's
 X-Request-Id header; without one the gateway makes a random id and sends that. Long
 prompts are tokenized on one dedicated thread so the event loop keeps streaming meanwhile.
@@ -44,7 +44,8 @@ from services.gateway.config import GatewayConfig
 from services.gateway.dashboard import Dashboard
 from services.gateway.detokenizer import TokenVocab
 from services.gateway.follower import StreamFollower
-from services.gateway.limits import Holding, KeyBudgets, request_cost, uvicorn_options, within
+from services.gateway.budgets import Holding, KeyBudgets, request_cost, tenant_id
+from services.gateway.limits import uvicorn_options, within
 from services.gateway.metrics import ENDPOINTS, GatewayMetrics, merge_expositions
 from services.gateway.openapi import openapi_document
 from services.gateway.protocol import RequestParser, model_not_found
@@ -98,7 +99,7 @@ class Gateway:
         self.created = int(time.time())
         self.retry_after = {"Retry-After": str(config.retry_after_s)}
         self._depth, self._depth_next_probe, self._gone = 0, 0.0, None
-        self.budgets = KeyBudgets(config.key_max_requests, config.key_max_tokens,
+        self.budgets = KeyBudgets(self.queue, config.key_max_requests, config.key_max_tokens,
                                   self.retry_after)
 
     async def parse(self, fn: Callable, request: Request) -> Any:
@@ -159,15 +160,16 @@ class Gateway:
             raise bad(f"X-Request-Id {client_id!r} was already used for a request whose "
                       "stream has not expired: send a new id", "X-Request-Id",
                       "duplicate_request_id")
-        key = _client_key(request, bool(self.config.api_keys))
-        cost = request_cost(parsed.requests)
-        self.budgets.take(key, cost)
+        tenant = tenant_id(_client_key(request, bool(self.config.api_keys)))
+        for r in parsed.requests:
+            r.tenant = tenant
+        holding = await self.budgets.take(tenant, request_cost(parsed.requests))
         try:
             stream = await self._enqueue(parsed, client_id)
         except BaseException:
-            self.budgets.give(key, cost)
+            self.budgets.give(holding)
             raise
-        return Holding(stream, self.budgets, key, cost)
+        return Holding(stream, self.budgets, holding)
 
     async def _enqueue(self, parsed, client_id: str | None) -> GenerationStream:
         await self.admit(len(parsed.requests))
@@ -411,6 +413,7 @@ def create_app(config: GatewayConfig | None = None, tokenizer=None) -> Starlette
                  gw.config.max_model_len, gw.queue.where)
         yield
         await gw.follower.close()
+        await gw.budgets.close()
         await gw.queue.close()
         gw.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 

@@ -1,4 +1,4 @@
-"""What one client may hold of the gateway: connection deadlines and per-key budgets.
+"""What one connection may hold of the gateway: its deadlines (per-key budgets: budgets.py).
 
 Connection deadlines live in the HTTP protocol (uvicorn's, subclassed), the only place that
 sees a connection before its headers are complete and that can drop a socket whose peer
@@ -10,23 +10,14 @@ stopped reading:
                                           send_timeout_s cuts the socket; the app sees
                                           http.disconnect and aborts the request
     body ──▶ read                         within body_timeout_s (the app, 408)
-
-Per-key budgets are the admission of one client against the others. A key is the Bearer
-token (the client's address when the gateway has no keys). Each key may have at most
-key_max_requests requests open and key_max_tokens tokens in flight, where a request costs
-its prompt tokens plus max_tokens for each sequence it runs (n, or the beam width); more is
-a 429 with Retry-After, so one client's flood waits in its own retry loop instead of in the
-queue ahead of everyone else. A request holds its share while its connection is open.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass
 
 from services.gateway.validation import ApiError
-from shared.messages import GenerationRequest
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -149,76 +140,6 @@ def uvicorn_options(config) -> dict:
                                    config.send_buffer_bytes),
             "timeout_keep_alive": config.timeout_keep_alive_s,
             "limit_concurrency": config.limit_concurrency or None}
-
-
-# ------------------------------------------------------------ per-key budgets
-def request_cost(requests: list[GenerationRequest]) -> int:
-    """Tokens a request may hold in the KV cache at its end: prompt + max_tokens per sequence."""
-    cost = 0
-    for r in requests:
-        width = r.sampling.beam_width or r.sampling.n
-        cost += len(r.prompt_token_ids) + max(1, width) * r.sampling.max_tokens
-    return cost
-
-
-@dataclass(slots=True)
-class _Held:
-    requests: int = 0
-    tokens: int = 0
-
-
-class KeyBudgets:
-    """Open requests and tokens in flight per key. One event loop: no lock needed."""
-
-    def __init__(self, max_requests: int, max_tokens: int, retry_after: dict) -> None:
-        self.max_requests, self.max_tokens = max_requests, max_tokens
-        self.retry_after = retry_after
-        self.held: dict[str, _Held] = {}
-
-    def take(self, key: str, cost: int) -> None:
-        """Count one request of `cost` tokens against `key`; raises ApiError (400 if it could
-        never fit, 429 while the key holds too much). Pair with give(key, cost)."""
-        if self.max_tokens and cost > self.max_tokens:
-            raise ApiError(400, f"this request may use {cost} tokens (prompt + max_tokens per "
-                                f"sequence), more than the {self.max_tokens} one API key may "
-                                "hold: lower max_tokens or n", param="max_tokens",
-                           code="token_budget_exceeded")
-        held = self.held.setdefault(key, _Held())
-        busy = None
-        if self.max_requests and held.requests >= self.max_requests:
-            busy = f"{held.requests} requests of this API key are open (limit {self.max_requests})"
-        elif self.max_tokens and held.tokens + cost > self.max_tokens:
-            busy = (f"this API key's open requests hold {held.tokens} tokens and this one needs "
-                    f"{cost} (limit {self.max_tokens})")
-        if busy is not None:
-            if not held.requests:
-                del self.held[key]
-            raise ApiError(429, f"{busy}; retry after {self.retry_after['Retry-After']} s",
-                           code="key_limit", headers=self.retry_after)
-        held.requests += 1
-        held.tokens += cost
-
-    def give(self, key: str, cost: int) -> None:
-        held = self.held[key]
-        held.requests -= 1
-        held.tokens -= cost
-        if not held.requests:
-            del self.held[key]
-
-
-class Holding:
-    """The ASGI response of a request that holds a key's budget until it is answered."""
-
-    __slots__ = ("response", "budgets", "key", "cost")
-
-    def __init__(self, response, budgets: KeyBudgets, key: str, cost: int) -> None:
-        self.response, self.budgets, self.key, self.cost = response, budgets, key, cost
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await self.response(scope, receive, send)
-        finally:
-            self.budgets.give(self.key, self.cost)
 
 
 async def within(seconds: float, coro, what: str):

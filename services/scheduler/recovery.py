@@ -14,11 +14,15 @@ is lost (docs/reliability.md).
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import grpc
+import redis
 
+from services.scheduler.redis_link import Heartbeat
 from services.scheduler.sequence import SequenceGroup
 from shared.control import OWNER_LEASE_S, ExecutorClient
 from shared.messages import RequestOutput, StepPlan
@@ -84,6 +88,29 @@ class Ownership:
         return reply.ok
 
 
+@contextmanager
+def beating(svc: SchedulerService):
+    """Heartbeats from a thread while the loop waits in a reconnect: its gRPC calls are
+    bounded, but together (channel ready, Describe, Reset) take up to 9 s when the executor
+    answers slowly, longer than gateways wait before they call the scheduler gone."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(1.0):
+            try:
+                svc.link.beat(Heartbeat(svc.link.now(), svc.degraded))
+            except redis.RedisError:
+                pass             # the loop's own next round meets it
+
+    thread = threading.Thread(target=run, name="reconnect-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class Recovery:
     """What the service does when a step or the executor is lost, and when it takes over the
     requests of a scheduler that died."""
@@ -110,7 +137,8 @@ class Recovery:
         svc.close_sockets()
         while not svc.stopping:
             try:
-                svc.connect(timeout_s=2.0)
+                with beating(svc):
+                    svc.connect(timeout_s=2.0)
                 break
             except ExecutorTaken:
                 raise

@@ -2,19 +2,18 @@
 
 Each step spends a token budget (max_num_batched_tokens) over, in this order:
 
-    running groups   decodes (1 token per seq) and prefill chunks, by priority/arrival;
+    running groups   decodes (1 token per seq) and prefill chunks, in queue order;
                      when blocks run short, the lowest-priority latest-arrived running group
                      is preempted (swapped to CPU, or dropped and later recomputed)
     swapped groups   swapped back in, only in a step that preempted nothing
     waiting groups   admitted with a first prefill chunk, only when nothing is swapped out;
-                     under the priority policy, running groups of lower priority are
-                     preempted (recompute) to admit a waiting request that does not fit
+                     running groups of lower priority, or of a tenant over its fair share,
+                     are preempted (recompute) to admit a waiting request that does not fit
 
 Prefill chunks and decodes share a step (chunked prefill). This module is the policy: the
-queues, the admission order and the choice of victims (priority.py: those of a more important
-waiting request). Block counting is the block manager's (block_manager.py), the plan's rows
-and the executors' mirror the plan builder's (plan.py), applying a result (finish rules,
-beams, the step's news) outputs.py's, and a grammar's hooks constrained.py's.
+queues, the admission order (fairness.py: tenants' fair shares), the victims (priority.py:
+those of a more important waiting request). Blocks are block_manager.py's, the plan's rows
+plan.py's, applying a result outputs.py's, a grammar's hooks constrained.py's.
 
 Parallel sampling (n > 1) computes the prompt once: seq 0 prefills all but the last prompt
 token, then n seqs fork from it, sharing its blocks; each computes the last prompt token
@@ -23,6 +22,7 @@ itself (copy-on-write of the shared partial block) and samples its own first tok
 from __future__ import annotations
 
 import heapq
+import itertools
 from bisect import insort
 from operator import attrgetter
 
@@ -31,9 +31,10 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, block_manager_for
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.fairness import FairQueue
 from services.scheduler.grammar import Grammars, admit_constrained
 from services.scheduler.plan import PlanBuilder, drop_from_executors
-from services.scheduler.priority import victims_for
+from services.scheduler.priority import preemptible, victims_for
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.stats import SchedulerStats, scheduler_stats
 from shared.messages import GenerationRequest, RequestOutput, SeqDelta, StepPlan, StepResult
@@ -66,19 +67,16 @@ class Scheduler:
         self._pending_finished: list[int] = []   # seq ids the executors must drop next plan
         # The plan in flight: (step id, the Sequence of each row, seqs swapped out by it).
         self._inflight: tuple[int, list[Sequence], list[Sequence]] | None = None
-        self._step_id = 0
-        self._next_seq_id = 0
-        self._next_order = 0
+        self._step_id = self._next_seq_id = 0
+        self._orders = itertools.count()    # queue order: (priority, fair start, arrival)
+        self.fair = FairQueue()
         # Per schedule(): a group was preempted for blocks (then nothing is swapped in or
-        # admitted), and the admission bound of priority preemption (only groups that sort
+        # admitted), and the admission bound of preemption for the waiting (only groups that sort
         # before it are admitted this step; its victims are being dropped in this plan).
         self._preempted = False
         self._admit_below: tuple | None = None
-        self.num_preemptions = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.num_preemptions = self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest) -> None:
@@ -96,9 +94,8 @@ class Scheduler:
         if sp.constraint is not None and sp.beam_width > 0:
             raise AdmissionError("beam search cannot follow an output constraint "
                                  "(response_format, structured_outputs, tools): drop one")
-        order = self._next_order
-        self._next_order += 1
-        key = (req.priority if cfg.policy == "priority" else 0, req.arrival_time, order)
+        key = (req.priority if cfg.policy == "priority" else 0, self.fair.start(req),
+               next(self._orders))
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
         for _ in range(1 if group.is_beam else sp.n):
@@ -167,8 +164,7 @@ class Scheduler:
         self._admit_below = None
         for group in self.grammars.ready():    # compiled since: back into the queue
             heapq.heappush(self.waiting, (group.sort_key, group))
-        if (self.config.policy == "priority" and self.running and self.waiting
-                and not self.swapped):
+        if self.running and self.waiting and not self.swapped:
             self._preempt_for_waiting(step)
         self._schedule_running(step)
         if not self._preempted:
@@ -244,6 +240,7 @@ class Scheduler:
                 return
             heapq.heappop(waiting)
             self.num_waiting -= 1
+            self.fair.admitted(group.sort_key[1])
             # (a recomputed seq may hit its own output too: only prompt tokens count)
             hit = min(len(cached) * self.block_size, group.prompt_len)
             if bm.enable_prefix_caching and group.prompt_logprobs is None:
@@ -266,14 +263,17 @@ class Scheduler:
         return waiting[0][1] if waiting else None
 
     def _preempt_for_waiting(self, step: PlanBuilder) -> None:
-        """Priority policy: preempt, by recompute, the running groups of lower priority that
-        keep the most important waiting request out (priority.py chooses them)."""
+        """Preempt, by recompute, the running groups that keep the waiting head out: of lower
+        priority (priority.py chooses), else of a tenant over its share (fairness.py)."""
         head = self._waiting_head()
         if head is None:
             return
-        victims = victims_for(head, self.running, self.num_running_seqs, self.config,
+        cands, fair = preemptible(head, self.running)
+        victims = victims_for(head, cands, self.num_running_seqs, self.config,
                               self.block_manager, self._headroom(head))
         for group in victims:
+            if fair:                     # to the back of its tenant's line
+                group.sort_key = self.fair.requeue(group, next(self._orders))
             self._preempt(group, step, mode="recompute")
         if victims:
             self._preempted = False  # these were for admission: the step goes on to admit

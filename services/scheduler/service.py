@@ -5,7 +5,8 @@ One iteration, with Redis I/O overlapped with the executor's forward pass:
     plan_k = schedule()          ─── ZMQ PUSH ──▶ executor ranks (forward k runs ...)
     one Redis round trip:  publish outputs of step k-1, heartbeat, ack finished requests,
                            read new requests (consumer group) and aborts
-    result_k  ◀── ZMQ PULL ───── executor rank 0
+    result_k  ◀── ZMQ PULL ───── executor rank 0   (a step past READ_DURING_STEP_S reads
+                                                     new requests again while it waits)
     outputs_k = update(plan_k, result_k); then admit the requests / apply the aborts read above
 
 New requests and aborts are applied only between update() and the next schedule(), so the
@@ -47,6 +48,8 @@ from shared.wire import MAX_MESSAGE_BYTES, decode, encode
 
 log = logging.getLogger("pagedserve.scheduler")
 
+# A step still running after this long reads the request queue again (seconds).
+READ_DURING_STEP_S = 0.02
 # Young-generation GC threshold of the running service (see serve()); benchmarks reuse it.
 GC_THRESHOLD = (20_000, 50, 100)
 
@@ -258,8 +261,9 @@ class SchedulerService:
         a failure with no step id (the executor could not read the plan in flight)."""
         deadline_check = time.monotonic() + self.config.executor_timeout_s
         deadline = time.monotonic() + self.config.step_timeout_s
+        read_at = time.monotonic() + READ_DURING_STEP_S
         while True:
-            if self.result_sock.poll(100):
+            if self.result_sock.poll(int(READ_DURING_STEP_S * 1000)):
                 result = decode(self.result_sock.recv(), StepResult)
                 self.owner.heard()
                 if result.step_id == plan.step_id:
@@ -270,9 +274,15 @@ class SchedulerService:
                             plan.step_id, f": {result.error}" if result.error else "")
                 continue
             # A long forward (a big prefill, a loaded host) is not a dead scheduler: gateways
-            # end the streams of a scheduler whose heartbeat stops (scheduler_gone_s).
+            # end the streams of a scheduler whose heartbeat stops (scheduler_gone_s). Requests
+            # that arrived since the round at the step's start are read now, so that they join
+            # the next step rather than the one after it (a client's time to first token).
             try:
-                self.beat()
+                if time.monotonic() >= read_at:
+                    read_at = time.monotonic() + READ_DURING_STEP_S
+                    self._redis_round(block_ms=0)
+                else:
+                    self.beat()
             except redis.RedisError:
                 pass            # the next Redis round after this step meets it
             if time.monotonic() > deadline:
