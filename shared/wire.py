@@ -26,7 +26,7 @@ import msgpack
 # max_num_seqs whole prompts (NewSeq) of max_model_len tokens, a few MiB; a peer that sends
 # more is cut off instead of making the receiver allocate it.
 MAX_MESSAGE_BYTES = 64 << 20
-WIRE_VERSION = 4     # raised whenever a message changes its fields or their meaning
+WIRE_VERSION = 5     # raised whenever a message changes its fields or their meaning
 
 T = TypeVar("T")
 
