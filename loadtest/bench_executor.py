@@ -135,7 +135,8 @@ def _add_row(plan: StepPlan, seq_id: int, computed: int, num_tokens: int, append
     plan.seq_ids.append(seq_id)
     plan.num_computed_tokens.append(computed)
     plan.num_tokens.append(num_tokens)
-    plan.append_token_ids.append(append)
+    plan.num_append_tokens.append(len(append))
+    plan.append_token_ids += append
     plan.block_keep.append(-1)
     plan.block_append.append(blocks)
 

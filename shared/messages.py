@@ -180,16 +180,20 @@ class StepPlan:
     """One iteration's work for the executors. Columnar: row r of the step is the r-th entry
     of every per-row list (parallel lists, no object per sequence).
 
-        row r   seq_ids  num_computed_tokens  num_tokens  append_token_ids  block_keep  block_append
-        ─────   ───────  ───────────────────  ──────────  ────────────────  ──────────  ────────────
-        0       12       300                  1           [873]             -1          []
-        1       40       64                   1           [11]              -1          [95]
-        2       41       0                    37          []                -1          []
+        row r   seq_ids  num_computed_tokens  num_tokens  num_append_tokens  block_keep  block_append
+        ─────   ───────  ───────────────────  ──────────  ─────────────────  ──────────  ────────────
+        0       12       300                  1           1                  -1          []
+        1       40       64                   1           1                  -1          [95]
+        2       41       0                    37          0                  -1          []
                  ▲ rows < num_sampling_rows sample one token; rows ≥ it are prefill chunks
                    that stop short of their sequence's end (their tokens are not sampled)
 
-    Per row, applied first: append `append_token_ids` (tokens added since the executors last
-    saw the seq), then the block-table diff: truncate to `block_keep` entries (-1: keep all),
+        append_token_ids  [873, 11]    every row's appended tokens, concatenated in row order
+
+    Per row, applied first: append its `num_append_tokens[r]` tokens of `append_token_ids`
+    (tokens added since the executors last saw the seq: for a decode, the token sampled in
+    the step before; `appended_per_row()` splits them), then the block-table diff: truncate
+    to `block_keep` entries (-1: keep all),
     then append `block_append`. That covers growth (append), copy-on-write of the last block
     (keep len-1, append the copy) and swap-in (keep 0, append the new table). Then the row
     runs tokens [num_computed_tokens, num_computed_tokens + num_tokens) of its seq.
@@ -204,7 +208,10 @@ class StepPlan:
     seq_ids: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # tokens with KV in the cache
     num_tokens: list[int] = field(default_factory=list)           # tokens to run (chunk or 1)
-    append_token_ids: list[list[int]] = field(default_factory=list)
+    num_append_tokens: list[int] = field(default_factory=list)
+    # NOTE: flat, not a list per row: a decode row appends one token, and one list object per
+    # row per step is most of what building and decoding a plan allocates.
+    append_token_ids: list[int] = field(default_factory=list)
     block_keep: list[int] = field(default_factory=list)
     block_append: list[list[int]] = field(default_factory=list)
     num_sampling_rows: int = 0
@@ -221,6 +228,20 @@ class StepPlan:
     bitmask_words: int = 0
     token_bitmask: bytes = b""
     fence: int = 0          # the sender's fencing token (Reset); an executor refuses others
+
+    def appended_per_row(self) -> list[list[int]]:
+        """Each row's appended tokens: `append_token_ids` split by `num_append_tokens`.
+        Raises ValueError when the counts do not add up to the tokens."""
+        tokens = self.append_token_ids
+        if sum(self.num_append_tokens) != len(tokens):
+            raise ValueError(f"num_append_tokens add up to {sum(self.num_append_tokens)}, "
+                             f"append_token_ids holds {len(tokens)}")
+        rows = []
+        start = 0
+        for n in self.num_append_tokens:
+            rows.append(tokens[start:start + n])
+            start += n
+        return rows
 
 
 # ---------------------------------------------------------------- step result (executor → scheduler)

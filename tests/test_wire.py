@@ -29,12 +29,14 @@ def _examples():
     yield RequestOutput("req-2", [], finished=True, error="prompt too long", error_code=400)
     yield StepPlan(7, [NewSeq(1, "req-1", [1, 2, 3], 3, [4, 9], sp, 2)],
                    seq_ids=[2, 1], num_computed_tokens=[17, 0], num_tokens=[1, 2],
-                   append_token_ids=[[42], []], block_keep=[1, -1], block_append=[[8], []],
+                   num_append_tokens=[1, 0], append_token_ids=[42], block_keep=[1, -1],
+                   block_append=[[8], []],
                    num_sampling_rows=1, swap_out=[[3, 0]], swap_in=[[1, 5]], copy=[[4, 6]],
                    finished_seq_ids=[9])
     # Two constrained rows of a 3-word vocabulary: packed bits travel as one bytes field.
     yield StepPlan(8, seq_ids=[2, 1, 3], num_computed_tokens=[5, 6, 7], num_tokens=[1, 1, 1],
-                   append_token_ids=[[1], [2], [3]], block_keep=[-1, -1, -1],
+                   num_append_tokens=[1, 1, 1], append_token_ids=[1, 2, 3],
+                   block_keep=[-1, -1, -1],
                    block_append=[[], [], []], num_sampling_rows=3, bitmask_rows=[0, 2],
                    bitmask_words=3, token_bitmask=bytes(range(24)))
     yield StepResult(7, [42], [-0.5], [[[42, -0.5], [3, -1.0]]],
@@ -76,6 +78,7 @@ def test_a_decode_plan_stays_small():
     """A decode step of 256 sequences is a few bytes per sequence (diffs, not tables)."""
     n = 256
     plan = StepPlan(1000, seq_ids=list(range(n)), num_computed_tokens=[300] * n,
-                    num_tokens=[1] * n, append_token_ids=[[1234]] * n, block_keep=[-1] * n,
+                    num_tokens=[1] * n, num_append_tokens=[1] * n, append_token_ids=[1234] * n,
+                    block_keep=[-1] * n,
                     block_append=[[]] * n, num_sampling_rows=n)
     assert len(encode(plan)) < n * 16

@@ -150,10 +150,16 @@ class ModelRunner:
             self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
             self._add_seq(ns)
-        columns = (plan.num_computed_tokens, plan.num_tokens, plan.append_token_ids,
-                   plan.block_keep, plan.block_append)
-        if any(len(col) != len(plan.seq_ids) for col in columns):
+        if any(len(col) != len(plan.seq_ids) for col in (
+                plan.num_computed_tokens, plan.num_tokens, plan.num_append_tokens,
+                plan.block_keep, plan.block_append)):
             raise PlanError("the plan's row columns differ in length")
+        try:
+            appended = plan.appended_per_row()
+        except ValueError as exc:
+            raise PlanError(f"the plan's appended tokens: {exc}") from None
+        columns = (plan.num_computed_tokens, plan.num_tokens, appended, plan.block_keep,
+                   plan.block_append)
         if len(set(plan.seq_ids)) != len(plan.seq_ids):
             raise PlanError("a seq is scheduled twice in one step")
         if (len(plan.token_bitmask) != 4 * plan.bitmask_words * len(plan.bitmask_rows)

@@ -33,10 +33,14 @@ _NO_TOP: list[list] = []
 
 class StepOutputs:
     """One step's news, columnar. Most of a step is single-sequence requests that have had
-    their first output: each is one row, a delta kept as the tuple of SeqDelta's fields
+    their first output: each is one row, its group followed by its delta's SeqDelta fields
 
-        rows[i]   (group, (index, token_ids, logprobs, finish_reason, stop_token_id,
-                           cumulative_logprob))
+        rows[i]   (group, index, token, logprobs, finish_reason, stop_token_id,
+                   cumulative_logprob)
+
+    where `token` is the one token the step added to the sequence, or None when it added
+    none (a stop token ends a sequence without joining it); `seq_delta` makes the row's
+    SeqDelta.
 
     and its RequestOutput is built by `request_outputs()`, where the outputs are published,
     not per row in the core's loop. Everything else (a request's first output, parallel
@@ -45,7 +49,7 @@ class StepOutputs:
 
     __slots__ = ("rows", "outputs")
 
-    def __init__(self, rows: list[tuple[SequenceGroup, tuple]],
+    def __init__(self, rows: list[tuple],
                  outputs: list[RequestOutput]) -> None:
         self.rows = rows
         self.outputs = outputs
@@ -57,17 +61,18 @@ class StepOutputs:
     def request_outputs(self) -> list[RequestOutput]:
         """One RequestOutput per request with news (a row's request has finished exactly
         when its delta has a finish reason)."""
-        outs = [RequestOutput(g.request_id, [SeqDelta(*d)], d[3] is not None, g.prompt_len,
-                              g.num_cached_tokens) for g, d in self.rows]
+        outs = [RequestOutput(row[0].request_id, [seq_delta(row)], row[4] is not None,
+                              row[0].prompt_len, row[0].num_cached_tokens)
+                for row in self.rows]
         outs += self.outputs
         return outs
 
 
 def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float,
                  top: list) -> tuple:
-    """Apply one sampled token to `seq` under the finish rules; returns its delta as the
-    tuple of SeqDelta's fields (with finish_reason set, and seq.finish_reason too, when it
-    ends the seq)."""
+    """Apply one sampled token to `seq` under the finish rules; returns its row of the
+    step's news (StepOutputs), with finish_reason set, and seq.finish_reason too, when it
+    ends the seq."""
     cum = seq.cumulative_logprob = seq.cumulative_logprob + logprob
     tokens = seq.token_ids
     if token in group.stop_ids and len(tokens) >= group.min_len:
@@ -77,7 +82,7 @@ def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float
         # lm-eval score it, and vLLM reports it); the token itself stays out of token_ids.
         stop_lp = (_NO_LOGPROBS if seq.logprobs is None else
                    [TokenLogprob(token, logprob, top[:group.sampling.logprobs])])
-        return (seq.sample_index, [], stop_lp, "stop", token, cum)
+        return (group, seq.sample_index, None, stop_lp, "stop", token, cum)
     tokens.append(token)
     reason = None if seq.matcher is None else consume(seq, token)
     if reason is None and len(tokens) >= group.max_len:
@@ -85,10 +90,17 @@ def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float
     if reason is not None:
         seq.finish_reason = reason
     if seq.logprobs is None:
-        return (seq.sample_index, [token], _NO_LOGPROBS, reason, None, cum)
+        return (group, seq.sample_index, token, _NO_LOGPROBS, reason, None, cum)
     lp = TokenLogprob(token, logprob, top[:group.sampling.logprobs])
     seq.logprobs.append(lp)
-    return (seq.sample_index, [token], [lp], reason, None, cum)
+    return (group, seq.sample_index, token, [lp], reason, None, cum)
+
+
+def seq_delta(row: tuple) -> SeqDelta:
+    """The SeqDelta of a row of the step's news (see StepOutputs)."""
+    _, index, token, logprobs, reason, stop_token_id, cum = row
+    return SeqDelta(index, [] if token is None else [token], logprobs, reason, stop_token_id,
+                    cum)
 
 
 def request_output(group: SequenceGroup, deltas: list[SeqDelta]) -> RequestOutput:
@@ -154,7 +166,7 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
     if result.prompt_logprobs:
         _add_prompt_logprobs(seqs, result.prompt_logprobs)
     num_sampling = plan.num_sampling_rows
-    rows: list[tuple[SequenceGroup, tuple]] = []
+    rows: list[tuple] = []
     outs: list[RequestOutput] = []
     grouped: dict[str, RequestOutput] = {}   # request id -> its whole output
     beam_steps: dict[str, list] = {}
@@ -175,17 +187,17 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
         if group.is_beam:
             beam_steps.setdefault(group.request_id, []).append((seq, top))
             continue
-        delta = append_token(seq, group, token, logprob, top)
+        row = append_token(seq, group, token, logprob, top)
         if group.max_num_seqs == 1 and group.first_output_sent:
-            rows.append((group, delta))
+            rows.append(row)
             out = None
         else:
             out = grouped.get(group.request_id)
             if out is None:
                 out = grouped[group.request_id] = request_output(group, [])
                 outs.append(out)
-            out.seqs.append(SeqDelta(*delta))
-        if delta[3] is not None:                 # its finish reason
+            out.seqs.append(seq_delta(row))
+        if row[4] is not None:                   # its finish reason
             core.finish_seq(seq)
             if not group.seqs:
                 if out is not None:

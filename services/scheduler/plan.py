@@ -21,9 +21,9 @@ from services.scheduler.constrained import add_bitmasks
 from services.scheduler.sequence import Sequence
 from shared.messages import NewSeq, StepPlan
 
-# NOTE: most rows carry no new blocks and new seqs no appended tokens; they share one empty
-# list each instead of allocating one per row per step. Nothing appends to a plan's lists
-# after it is built (the wire carries copies): never append to these.
+# NOTE: most rows carry no new blocks and most prefill chunks no appended tokens; they share
+# one empty list each instead of allocating one per row per step. Nothing appends to a plan's
+# lists after it is built (the wire carries copies): never append to these.
 _NO_BLOCKS: list[int] = []
 _NO_TOKENS: list[int] = []
 
@@ -41,9 +41,9 @@ def drop_from_executors(seq: Sequence, finished_seq_ids: list[int]) -> None:
 class PlanBuilder:
     """One step's plan, built as sequences are scheduled; `budget` is the tokens left."""
 
-    __slots__ = ("block_manager", "block_size", "budget", "decode_rows", "other_rows",
-                 "new_seqs", "swap_out", "swap_in", "copy", "finished_seq_ids",
-                 "swapped_out_seqs")
+    __slots__ = ("block_manager", "block_size", "budget", "decode_rows", "decode_tokens",
+                 "other_rows", "new_seqs", "swap_out", "swap_in", "copy", "finished_seq_ids",
+                 "swapped_out_seqs", "constrained")
 
     def __init__(self, block_manager: BlockManager, budget: int,
                  finished_seq_ids: list[int]) -> None:
@@ -52,9 +52,12 @@ class PlanBuilder:
         self.budget = budget
         # Rows as tuples, turned into the plan's columns by build() (one C-level transpose
         # instead of six list appends per row):
-        #   decode_rows  (seq, seq_id, computed, append, keep, blocks): one token, sampled
-        #   other_rows   (samples, seq, seq_id, computed, tokens, append, keep, blocks)
+        #   decode_rows  (seq, seq_id, computed, num_append, keep, blocks): one token, sampled;
+        #                their appended tokens go straight into decode_tokens (row order)
+        #   other_rows   (samples, seq, seq_id, computed, tokens, num_append, keep, blocks,
+        #                 appended tokens)
         self.decode_rows: list[tuple] = []
+        self.decode_tokens: list[int] = []
         self.other_rows: list[tuple] = []
         self.new_seqs: list[NewSeq] = []
         self.swap_out: list[list[int]] = []
@@ -62,6 +65,7 @@ class PlanBuilder:
         self.copy: list[list[int]] = []
         self.finished_seq_ids = finished_seq_ids
         self.swapped_out_seqs: list[Sequence] = []   # their KV moves in this step
+        self.constrained = False     # a row's seq follows a grammar (its bitmask ships)
 
     @property
     def is_empty(self) -> bool:
@@ -88,6 +92,8 @@ class PlanBuilder:
         end = c + num_tokens
         if end // bs > seq.num_cached_blocks:
             self.block_manager.cache_computed_blocks(seq, end)
+        if seq.matcher is not None:
+            self.constrained = True
         tokens = seq.token_ids
         table = seq.block_table
         sent = seq.num_tokens_sent
@@ -97,19 +103,23 @@ class PlanBuilder:
             g = seq.group
             self.new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
                                         list(table), g.sampling, seq.sample_index))
-            append, keep, blocks = _NO_TOKENS, -1, _NO_BLOCKS
+            sent, keep, blocks = n, -1, _NO_BLOCKS
         else:
             synced = seq.num_blocks_synced
-            append = tokens[sent:]
             keep = -1 if synced == seq.num_blocks_sent else synced
             blocks = table[synced:] if synced < num_blocks else _NO_BLOCKS
         seq.num_tokens_sent = n
         seq.num_blocks_sent = seq.num_blocks_synced = num_blocks
+        num_append = n - sent
         if end == n and num_tokens == 1:
-            self.decode_rows.append((seq, seq.seq_id, c, append, keep, blocks))
+            if num_append == 1:                     # a steady decode: no slice to build
+                self.decode_tokens.append(tokens[sent])
+            elif num_append:
+                self.decode_tokens += tokens[sent:]
+            self.decode_rows.append((seq, seq.seq_id, c, num_append, keep, blocks))
         else:
-            self.other_rows.append((end == n, seq, seq.seq_id, c, num_tokens, append, keep,
-                                    blocks))
+            self.other_rows.append((end == n, seq, seq.seq_id, c, num_tokens, num_append, keep,
+                                    blocks, tokens[sent:] if num_append else _NO_TOKENS))
 
     def add_swap_out(self, seqs: list[Sequence], pairs: list[list[int]]) -> None:
         self.swap_out.extend(pairs)
@@ -127,19 +137,23 @@ class PlanBuilder:
             seqs, seq_ids, computed, appends, keeps, blocks = map(list, zip(*self.decode_rows))
         else:
             seqs, seq_ids, computed, appends, keeps, blocks = [], [], [], [], [], []
+        appended = self.decode_tokens
         num_tokens = [1] * len(seqs)
         num_sampling_rows = len(seqs)
         if self.other_rows:
             self.other_rows.sort(key=_samples_last)      # stable: schedule order otherwise
-            samples, *columns = zip(*self.other_rows)
+            samples, *columns, tokens = zip(*self.other_rows)
             num_sampling_rows += sum(samples)
             for column, more in zip((seqs, seq_ids, computed, num_tokens, appends, keeps,
                                      blocks), columns):
                 column += more
-        plan = StepPlan(step_id, self.new_seqs, seq_ids, computed, num_tokens, appends, keeps,
-                        blocks, num_sampling_rows, self.swap_out, self.swap_in, self.copy,
-                        self.finished_seq_ids)
-        add_bitmasks(plan, seqs)
+            for more in tokens:
+                appended += more
+        plan = StepPlan(step_id, self.new_seqs, seq_ids, computed, num_tokens, appends,
+                        appended, keeps, blocks, num_sampling_rows, self.swap_out, self.swap_in,
+                        self.copy, self.finished_seq_ids)
+        if self.constrained:
+            add_bitmasks(plan, seqs)
         return plan, seqs
 
 

@@ -25,10 +25,12 @@ def step_plan(step_id: int, new_seqs: list[NewSeq] = (), rows: list[Row] = (),
     """A StepPlan of these rows; the first `sampling` of them (default: all) sample."""
     plan = StepPlan(step_id, list(new_seqs), **cache_ops)
     for row in rows:
+        row = Row(*row)
         for column, value in zip((plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
-                                  plan.append_token_ids, plan.block_keep, plan.block_append),
-                                 Row(*row)):
+                                  plan.num_append_tokens, plan.block_keep, plan.block_append),
+                                 row._replace(append_token_ids=len(row.append_token_ids))):
             column.append(value)
+        plan.append_token_ids += row.append_token_ids
     plan.num_sampling_rows = len(rows) if sampling is None else sampling
     return plan
 

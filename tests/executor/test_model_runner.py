@@ -181,6 +181,10 @@ def test_bad_plans_come_back_as_errors_and_the_runner_keeps_working(tiny):
     assert "num_sampling_rows" in misnumbered.error    # the row reaches its end: it samples
     uneven = StepPlan(5, seq_ids=[3], num_computed_tokens=[0], num_tokens=[], num_sampling_rows=1)
     assert "columns differ" in r.execute(uneven).error
+    miscounted = StepPlan(5, seq_ids=[3], num_computed_tokens=[0], num_tokens=[1],
+                          num_append_tokens=[1], append_token_ids=[7, 8], block_keep=[-1],
+                          block_append=[[]], num_sampling_rows=1)
+    assert "appended tokens" in r.execute(miscounted).error
     r.execute(StepPlan(6, finished_seq_ids=[3]))
     assert "Traceback" not in short.error + outside.error + beyond.error
     assert len(_generate(r, 2)) == 2

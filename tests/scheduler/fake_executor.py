@@ -100,7 +100,7 @@ class FakeExecutor:
             self.seqs[ns.seq_id] = _Seq(ns.request_id, list(ns.token_ids), ns.prompt_len,
                                         list(ns.block_table), ns.sampling, ns.sample_index, -1)
         rows = list(zip(plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
-                        plan.append_token_ids, plan.block_keep, plan.block_append))
+                        plan.appended_per_row(), plan.block_keep, plan.block_append))
         if len(set(plan.seq_ids)) != len(rows):
             raise PlanError(f"step {plan.step_id}: a seq has two rows")
         for sid, computed, n, append, keep, blocks in rows:

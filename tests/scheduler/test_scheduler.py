@@ -20,7 +20,7 @@ Row = namedtuple("Row", "seq_id num_computed_tokens num_tokens append_token_ids 
 def rows(plan) -> list[Row]:
     """The plan's rows, one record each (the plan itself is columnar)."""
     return [Row(*r) for r in zip(plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
-                                 plan.append_token_ids, plan.block_keep, plan.block_append)]
+                                 plan.appended_per_row(), plan.block_keep, plan.block_append)]
 
 
 class Engine:
