@@ -53,15 +53,25 @@ def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
     return packed, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
+# NOTE: MKL runs a small row count with other kernels than its blocked GEMM (one row as a
+# GEMV; on AMD EPYC Zen 4 every count below 12 that is not 4 or 8), and their sums round
+# differently. Calls with fewer rows are padded to this many, so a row gets the bits it gets
+# in any larger batch; `gemm_correct` checks every count up to it.
+MKL_MIN_ROWS = 16
+
+
 def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor,
                b: torch.Tensor | None) -> torch.Tensor:
     """MKL's packed sgemm. MKL's packed B layout does not depend on M, so any row count may use
-    a weight packed once. One row takes another kernel (a GEMV) whose sums round differently
-    from the GEMM of two or more rows, so a single row is run as two and the copy dropped:
-    a row then gets the same bits alone as in a batch."""
-    if x.shape[0] == 1:
-        return torch.ops.mkl._mkl_linear(x.expand(2, -1).contiguous(), packed, w, b, 2)[:1]
-    return torch.ops.mkl._mkl_linear(x, packed, w, b, x.shape[0])
+    a weight packed once. Fewer than MKL_MIN_ROWS rows run padded to it (the padding rows are
+    zeros, dropped after): a decode step reads the whole weight anyway, so the extra rows cost
+    little, and a row's result does not depend on how many rows it is multiplied with."""
+    m = x.shape[0]
+    if m < MKL_MIN_ROWS:
+        padded = x.new_zeros(MKL_MIN_ROWS, x.shape[1])
+        padded[:m] = x
+        return torch.ops.mkl._mkl_linear(padded, packed, w, b, MKL_MIN_ROWS)[:m]
+    return torch.ops.mkl._mkl_linear(x, packed, w, b, m)
 
 
 def _probe(gemm: str) -> tuple[torch.Tensor, torch.Tensor, Callable]:
@@ -92,7 +102,7 @@ def gemm_correct(gemm: str) -> bool:
     x = torch.randn(300, 80, generator=torch.Generator().manual_seed(1))
     full = run(x)
     return torch.allclose(full, F.linear(x, w, b), atol=1e-4, rtol=1e-5) and all(
-        torch.equal(run(x[:m]), full[:m]) for m in (1, 2, 7, 64))
+        torch.equal(run(x[:m]), full[:m]) for m in (*range(1, MKL_MIN_ROWS + 1), 64))
 
 
 def usable_gemms() -> list[str]:
