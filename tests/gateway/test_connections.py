@@ -77,10 +77,10 @@ def _cut_within(s: socket.socket, seconds: float) -> float:
 
 def test_slowloris_headers_and_a_silent_connection_are_cut(gateway_proc):
     _proc, port, _sched = gateway_proc
+    t0 = time.monotonic()       # before the connection: the server's deadline starts later
     silent = _connect(port)
     slow = _connect(port)
     slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    t0 = time.monotonic()
     stop = threading.Event()
 
     def trickle():          # one header byte every 0.2 s: never a complete request
@@ -91,8 +91,10 @@ def test_slowloris_headers_and_a_silent_connection_are_cut(gateway_proc):
             pass
     threading.Thread(target=trickle, daemon=True).start()
     try:
-        waited = _cut_within(slow, HEADER_TIMEOUT_S + 5)
-        assert HEADER_TIMEOUT_S - 0.3 < time.monotonic() - t0 < HEADER_TIMEOUT_S + 3, waited
+        # The trickle would keep a per-byte idle timer alive forever, so being cut at all
+        # proves a deadline on the whole header; a loaded machine may cut late, never early.
+        _cut_within(slow, HEADER_TIMEOUT_S * 10)
+        assert time.monotonic() - t0 >= HEADER_TIMEOUT_S - 0.05    # timer granularity
         _cut_within(silent, 5)
         # a well-behaved client is served meanwhile, and after
         assert httpx.get(f"http://127.0.0.1:{port}/ping", timeout=5).status_code == 200
@@ -194,7 +196,8 @@ def test_200_clients_that_never_read_are_reaped_and_others_are_served(gateway_pr
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200, r.text
-    assert time.monotonic() - t0 < 2.0
+    # served while they are stuck, not once the send timeout reaps them
+    assert time.monotonic() - t0 < SEND_TIMEOUT_S / 4
     rss_stuck = _rss_mib(proc.pid)
     assert _in_flight(port) == 200                    # served while the 200 were stuck
 

@@ -97,8 +97,13 @@ def test_two_servers_share_the_port_stream_their_clients_and_end_together(redis_
 
         os.kill(servers[0], signal.SIGKILL)
         gw.wait(timeout=30)           # one server died: the supervisor ends the group
-        time.sleep(0.5)
-        assert all(not os.path.exists(f"/proc/{s}") or _zombie(s) for s in servers)
+
+        def all_gone() -> bool:
+            return all(not os.path.exists(f"/proc/{s}") or _zombie(s) for s in servers)
+        deadline = time.monotonic() + 10
+        while not all_gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all_gone(), "a server outlived its supervisor"
     finally:
         stop_process(gw)
 
