@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -24,10 +25,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.launcher import (Stack, build_parser, executor_openmp_defaults,  # noqa: E402
+                               free_port, free_ports)
+
+# Both runs get the executor's OpenMP settings (before torch loads OpenMP): the comparison
+# is of what the stack adds around the same forward. A lone process on some CPUs runs
+# faster with spinning threads (OMP_WAIT_POLICY=ACTIVE in the environment overrides this
+# for both runs; docs/overhead.md).
+executor_openmp_defaults()
+
+from loadtest import docgen  # noqa: E402
 from loadtest.sse_client import stream_completion  # noqa: E402
 from services.engine import OfflineEngine  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
-from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402
 
@@ -119,6 +129,8 @@ def main() -> None:
         "inprocess_ttft_ms_p50": 1000 * p50(inproc["ttft"]),
         "stack_ttft_ms_p50": 1000 * p50(stack["ttft"]),
         "requests": args.requests, "output_tokens": args.output_tokens, "dtype": args.dtype,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu_model": docgen.cpu(),
+        "loadavg_1m": os.getloadavg()[0],
     }
     if args.json:
         print(json.dumps(out))

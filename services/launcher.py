@@ -257,15 +257,23 @@ def redis_too_old(url: str) -> str | None:
             f"{MIN_REDIS[0]} or newer")
 
 
+def executor_openmp_defaults() -> None:
+    """The executor's OpenMP settings, unless the environment sets them; call before torch
+    loads OpenMP.
+
+    NOTE: spinning OpenMP threads lose their cores to any other busy process (the gateway,
+    Redis, other ranks) and then every parallel region waits for the descheduled one: 4-5x
+    slower decode on a shared 2-core machine. Sleeping threads cost little when the
+    executor has the cores to itself, though on some CPUs a lone process gains from
+    spinning (docs/overhead.md)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _run_service(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "executor":
-        # NOTE: before torch loads OpenMP. Spinning OpenMP threads lose their cores to any
-        # other busy process (the gateway, Redis, other ranks) and then every parallel
-        # region waits for the descheduled one: 4-5x slower decode on a shared 2-core
-        # machine, measured. Sleeping threads cost little when the executor has the cores.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        executor_openmp_defaults()
         from services.executor.config import ExecutorConfigError
         from services.executor.service import run
         ranks = []
