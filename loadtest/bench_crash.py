@@ -14,6 +14,7 @@ Figures: docs/reliability.md.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -98,9 +99,14 @@ def two_stacks() -> dict:
         first.stop()
 
 
+SCENARIOS = ("executor", "scheduler", "redis", "two")
+
+
 def main() -> None:
-    which = sys.argv[1:] or ["executor", "scheduler", "redis", "two"]
-    for name in which:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("scenarios", nargs="*", choices=SCENARIOS, metavar="SCENARIO",
+                    help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    for name in ap.parse_args().scenarios or SCENARIOS:
         row = two_stacks() if name == "two" else kill_scenario(name)
         row.update(load_average=os.getloadavg(), cpu=cpu(), commit=commit())
         print(json.dumps(row), flush=True)
