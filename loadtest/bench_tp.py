@@ -25,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, workload  # noqa: E402
 from loadtest.docgen import commit, machine, write_block  # noqa: E402
@@ -71,24 +70,27 @@ def run_tp(tp: int, prompts, args) -> dict:
     if args.device == "cpu":
         flags += ["--kv-cache-gib", str(args.kv_gib), "--swap-space-gib", "0.0625"]
     with Stack(build_parser().parse_args(flags)) as stack:
-        url = stack.start()
+        stack.start()
         info = ExecutorClient(f"127.0.0.1:{stack.args.grpc_port}").describe()
 
+        port = stack.args.port
+
         async def go():
-            async with httpx.AsyncClient(base_url=url, timeout=1200,
-                                         limits=httpx.Limits(max_connections=1000)) as c:
-                await _one(c, prompts[0], 4, time.perf_counter())    # warm-up
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*[_one(c, p, args.output_tokens, t0)
-                                             for p in prompts])
-                return res, time.perf_counter() - t0
+            # the lean raw-socket clients of bench_overhead (loadtest/sse_client.py)
+            await _one(port, prompts[0], 4, time.time())    # warm-up
+            t0 = time.time()
+            res = await asyncio.gather(*[_one(port, p, args.output_tokens, t0)
+                                         for p in prompts])
+            return res, time.time() - t0
 
         res, wall = asyncio.run(go())
         parent = next(p.pid for name, p in stack.procs if name == "executor")
         pids = [parent] + _children(parent)       # rank 0, then the ranks it started
         mem = (_gpu_bytes(pids) if args.device == "cuda" else
                {p: _rss_bytes(p) for p in pids})
-    tokens = sum(n for _, _, n in res)
+    # ignore_eos: every request streams exactly output_tokens (_one counts characters)
+    assert all(first is not None for first, _, _ in res), "a request streamed nothing"
+    tokens = len(prompts) * args.output_tokens
     return {"tp": tp, "out_tok_s": tokens / wall, "wall_s": wall,
             "rank_mem_gib": [mem[p] / GIB for p in pids],
             "kv_blocks": int(info.num_gpu_blocks), "block_size": int(info.block_size),
