@@ -28,7 +28,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, workload  # noqa: E402
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
@@ -107,12 +106,16 @@ def main() -> None:
         url = stack.start()
         sched_pid = next(p.pid for name, p in stack.procs if name == "scheduler")
 
+        port = stack.args.port
+
         async def batch() -> float:
-            async with httpx.AsyncClient(base_url=url, timeout=600,
-                                         limits=httpx.Limits(max_connections=1000)) as c:
-                t0 = time.perf_counter()
-                await asyncio.gather(*[_one(c, p, args.output_tokens, t0) for p in prompts])
-                return time.perf_counter() - t0
+            # the lean raw-socket clients of bench_overhead (loadtest/sse_client.py)
+            t0 = time.time()
+            res = await asyncio.gather(*[_one(port, p, args.output_tokens, t0)
+                                         for p in prompts])
+            if any(first is None for first, _, _ in res):
+                raise SystemExit("bench_dashboard: a request streamed nothing")
+            return time.time() - t0
 
         asyncio.run(batch())                                     # warm-up
         for _ in range(args.rounds):
