@@ -185,6 +185,16 @@ def cpu_bf16() -> tuple[str, str | None]:
     return vendor, isa
 
 
+def bf16_packing() -> bool:
+    """Whether this torch build packs bf16 weights for oneDNN here (it refuses on a CPU
+    without AVX-512, whatever cpuinfo's bf16 flags are taken to be)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), None)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def auto_cpu_dtype() -> torch.dtype:
     """What `dtype="auto"` runs on a CPU: bf16 where it is native and measured faster than
     fp32 end to end (docs/executor.md, loadtest/bench_executor.py), fp32 elsewhere:
@@ -197,13 +207,7 @@ def auto_cpu_dtype() -> torch.dtype:
     bf16 also needs oneDNN's bf16 weight packing (this torch build), else fp32."""
     vendor, isa = cpu_bf16()
     fast = isa == "amx" or (isa == "avx512_bf16" and vendor == "AuthenticAMD")
-    if fast:
-        try:
-            torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16),
-                                                    None)
-        except (AttributeError, RuntimeError):
-            fast = False
-    dtype = torch.bfloat16 if fast else torch.float32
+    dtype = torch.bfloat16 if fast and bf16_packing() else torch.float32
     log.info("dtype auto on this CPU (%s, bf16 instructions: %s): %s", vendor or "unknown",
              isa or "none", str(dtype).removeprefix("torch."))
     return dtype

@@ -20,8 +20,8 @@ CPUS = [  # (vendor, bf16 instructions, what auto runs)
 @pytest.mark.parametrize("vendor,isa,expected", CPUS)
 def test_auto_follows_the_cpu(monkeypatch, vendor, isa, expected):
     monkeypatch.setattr(cpu_gemm, "cpu_bf16", lambda: (vendor, isa))
-    if expected == torch.bfloat16 and not torch.backends.mkldnn.is_available():
-        expected = torch.float32
+    if expected == torch.bfloat16 and not cpu_gemm.bf16_packing():
+        expected = torch.float32      # this machine cannot pack bf16 (no AVX-512)
     assert cpu_gemm.auto_cpu_dtype() == expected
 
 
@@ -47,7 +47,7 @@ def test_cpu_bf16_reads_this_machine():
 def test_runner_auto_and_explicit(monkeypatch, tiny_llama, vendor, isa, expected):
     folder, _ = tiny_llama
     monkeypatch.setattr(cpu_gemm, "cpu_bf16", lambda: (vendor, isa))
-    if not torch.backends.mkldnn.is_available():
+    if not cpu_gemm.bf16_packing():
         expected = torch.float32
     auto = tiny_runner(folder, dtype="auto")
     assert auto.dtype == expected and auto.kv.gpu.dtype == expected
