@@ -34,11 +34,13 @@ def test_no_scheduler_alive_is_503_with_retry_after_then_served(start_gateway, r
         assert r.status_code == 200, r.text
 
 
-def one_token_then(gw, redis_proc, fault) -> tuple[list[dict], float]:
+def one_token_then(gw, redis_proc, fault) -> tuple[list[dict], float, float]:
     """Stream a request that gets one token, then `fault(scheduler, request id)`: the SSE
-    events, and the seconds from the fault to the end of the stream."""
+    events, the seconds from the fault to the end of the stream, and the seconds from the
+    scheduler's one heartbeat to the end of the stream."""
     sched = FakeScheduler(redis_proc.url, gw.config.redis_prefix)
     sched.beat()
+    beat = time.monotonic()
     with httpx.Client(base_url=gw.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=BODY) as resp:
             taken = sched.take()
@@ -47,20 +49,22 @@ def one_token_then(gw, redis_proc, fault) -> tuple[list[dict], float]:
             fault(sched, taken.request.request_id)
             got = events(resp)
     assert got[0]["choices"][0]["text"]
-    return got, time.monotonic() - t0
+    end = time.monotonic()
+    return got, end - t0, end - beat
 
 
 def test_a_quiet_stream_whose_scheduler_is_gone_ends_with_an_error(start_gateway, redis_proc):
     gw = start_gateway(scheduler_gone_s=1.5, stall_check_s=0.5)
-    got, waited = one_token_then(gw, redis_proc, lambda sched, rid: None)   # it dies
+    got, waited, since_beat = one_token_then(gw, redis_proc, lambda sched, rid: None)  # it dies
     assert "no scheduler has been alive" in got[-1]["error"]["message"]
-    assert 1.0 < waited < 1.5 + 0.5 + 2.0
+    # Not before the heartbeat is scheduler_gone_s old; then within a stall check (+ slack).
+    assert since_beat > 1.5 and waited < 1.5 + 0.5 + 2.0
 
 
 def test_a_request_lost_with_redis_data_ends_with_an_error(start_gateway, redis_proc):
     gw = start_gateway(stall_check_s=0.5)
     # as a Redis restart without its data: the output stream is gone
-    got, _ = one_token_then(gw, redis_proc,
+    got, _, _ = one_token_then(gw, redis_proc,
                             lambda sched, rid: sched.r.delete(sched.keys.output(rid)))
     assert "the request was lost" in got[-1]["error"]["message"]
 
