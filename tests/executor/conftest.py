@@ -1,7 +1,7 @@
 """Session fixtures of the executor tests: the real SmolLM2 runner and its transformers twin.
 
 Loading (and, on a fresh machine, converting the bundled GGUF once) takes the bulk of the
-setup; both models and the transformers reference generations are built once per session.
+setup; both models are built once per session.
 """
 from __future__ import annotations
 
@@ -56,8 +56,6 @@ def hf_model(runner):
     from shared.model_source import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model().cache_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None   # always generate NEW_TOKENS tokens
-    model.generation_config.pad_token_id = runner.eos_token_id
     return model.eval()
 
 
@@ -69,19 +67,6 @@ def chat_prompts(tokenizer) -> list[list[int]]:
                                             add_generation_prompt=True)
         out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
     return out
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(hf_model, chat_prompts) -> list[list[int]]:
-    """transformers `generate`, greedy, NEW_TOKENS tokens per prompt (one left-padded batch)."""
-    pad = hf_model.generation_config.pad_token_id
-    width = max(map(len, chat_prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in chat_prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chat_prompts])
-    with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                                do_sample=False)
-    return out[:, width:].tolist()
 
 
 # ---------------------------------------------------------------- tiny random checkpoints
