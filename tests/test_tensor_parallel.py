@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from shared.control import ExecutorClient
-from tests.cluster import Cluster
 from tests.conftest import start_stack, stop_process
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -115,49 +114,47 @@ def _stream_outcome(base_url: str, max_tokens: int, started: threading.Event) ->
     return out
 
 
-def test_a_lost_rank_pauses_the_request_until_the_group_is_restarted(redis_server):
-    """The executor run under a supervisor (here the test, as compose's restart policy would):
-    a rank that dies takes rank 0 down with status 1, /health says 503 until the group is
-    restarted, and the request in flight then continues to its end (recomputed)."""
-    cluster = Cluster(redis_server.url, exec_flags=["--tensor-parallel-size", "3"])
-    try:
-        cluster.start_all()
-        started = threading.Event()
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(_stream_outcome, cluster.base_url, 64, started)
-            assert started.wait(120), "the stream never started"
-            executor = cluster.procs["executor"]
-            ranks = _children(executor.pid)
-            assert len(ranks) == 2, ranks
-            os.kill(ranks[1], signal.SIGKILL)
-            assert executor.wait(timeout=30) == 1, "rank 0 did not stop with status 1"
-            deadline = time.monotonic() + 30
-            while cluster.get("/health")[0] != 503:
-                assert time.monotonic() < deadline, "/health did not report the lost executor"
-                time.sleep(0.1)
-            assert not pending.done(), "the request ended while the executor was down"
-            del cluster.procs["executor"]
-            cluster.start_executor()      # the supervisor's restart: the whole group again
-            out = pending.result(timeout=300)
-        assert out["error"] is None and out["finish"] == "length", out
-        deadline = time.monotonic() + 60
-        while cluster.get("/health")[0] != 200:
-            assert time.monotonic() < deadline, "/health did not recover"
-            time.sleep(0.2)
-    finally:
-        cluster.stop_all()
-
-
 def test_a_lost_rank_under_serve_restarts_the_group_and_the_request_continues(tp3):
-    """Under `serve`, a lost rank stops its executor (status 1); serve starts the whole group
-    again and the request in flight continues to its end."""
+    """Under `serve`, a rank that dies takes its rank 0 down; /health is 503 while the group
+    is gone, the request in flight does not end meanwhile, serve starts the whole group
+    again, and the request continues to its end (recomputed)."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_stream_outcome, tp3.base_url, 64, started)
         assert started.wait(120), "the stream never started"
         executor = next(pid for pid in _children(tp3.proc.pid) if _children(pid))
         os.kill(_children(executor)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _alive(executor):
+            assert time.monotonic() < deadline, "rank 0 did not stop when a rank died"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while _health(tp3.base_url) != 503:
+            assert time.monotonic() < deadline, "/health did not report the lost executor"
+            assert not pending.done(), "the request ended while the executor was down"
+            time.sleep(0.1)
         out = pending.result(timeout=300)
     assert out["error"] is None and out["finish"] == "length", out
     assert tp3.proc.poll() is None, "serve stopped"
+    restarted = next(pid for pid in _children(tp3.proc.pid) if _children(pid))
+    assert restarted != executor and len(_children(restarted)) == 2
+    deadline = time.monotonic() + 60
+    while _health(tp3.base_url) != 200:
+        assert time.monotonic() < deadline, "/health did not recover"
+        time.sleep(0.2)
 
+
+def _alive(pid: int) -> bool:
+    """False once `pid` has exited (a zombie not yet reaped by serve counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _health(base_url: str) -> int:
+    try:
+        return httpx.get(base_url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
