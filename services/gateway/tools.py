@@ -15,8 +15,9 @@ One output format for every mode, Hermes-style (as vLLM's `hermes` tool parser r
   `arguments` follow that function's `parameters` schema), so the calls always validate.
   `parallel_tool_calls: false` allows one call.
 - The response: `message.tool_calls` (content: the text outside the blocks, or null) and
-  finish_reason "tool_calls". Streamed, content streams as it comes; each call goes out as
-  one delta (id, type, name, the whole arguments string) when its block closes.
+  finish_reason "tool_calls". Streamed, content streams as it comes; a call's first delta
+  carries its id, type and name, and its arguments follow in fragments as the model writes
+  them (CallParser).
 """
 from __future__ import annotations
 
