@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import sys
 import types
 import typing
@@ -22,10 +23,14 @@ from typing import Any, Callable, TypeVar
 
 import msgpack
 
-# The largest message a socket accepts (ZeroMQ MAXMSGSIZE): a plan holds at most
+# The largest message a socket accepts (ZeroMQ MAXMSGSIZE), in bytes: a plan holds at most
 # max_num_seqs whole prompts (NewSeq) of max_model_len tokens, a few MiB; a peer that sends
 # more is cut off instead of making the receiver allocate it.
-MAX_MESSAGE_BYTES = 64 << 20
+# NOTE: ZeroMQ drops the connection of a message over the limit without a word to either
+# side, which would look like a lost peer or a step that never ends. So a sender checks
+# the encoded size (`oversized`) and fails the step instead of sending. Both sides read
+# the same variable (a test sets a small limit).
+MAX_MESSAGE_BYTES = int(os.environ.get("PAGEDSERVE_MAX_MESSAGE_BYTES") or 64 << 20)
 WIRE_VERSION = 5     # raised whenever a message changes its fields or their meaning
 
 T = TypeVar("T")
@@ -72,6 +77,14 @@ def encode(msg: Any) -> bytes:
         raise WireError(f"{name} is not a registered wire message")
     return msgpack.packb((WIRE_VERSION, name, *_fields_of(cls)(msg)), default=_default,
                          use_bin_type=True)
+
+
+def oversized(data: bytes, what: str) -> str | None:
+    """Why `data` (an encoded `what`) may not be sent: over MAX_MESSAGE_BYTES; else None."""
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return None
+    return (f"{what} is {len(data)} bytes, over the {MAX_MESSAGE_BYTES} bytes a message may "
+            f"carry (PAGEDSERVE_MAX_MESSAGE_BYTES)")
 
 
 def decode(data: bytes, expect: type[T] | None = None) -> T:

@@ -39,7 +39,7 @@ from services.executor.config import ExecutorConfig
 from shared.control import (CONTROL_TOKEN_ENV, OWNER_LEASE_S, control_token, owner_identity, pb,
                             pb_grpc, token_matches)
 from shared.messages import StepPlan, StepResult
-from shared.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
+from shared.wire import MAX_MESSAGE_BYTES, WireError, decode, encode, oversized
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -265,7 +265,14 @@ class ExecutorServer:
                 log.exception("step %d failed", plan.step_id)
                 result = StepResult(step_id=plan.step_id, error=f"executor error: {exc}")
             self.steps += 1
-        return to, encode(result)
+        data = encode(result)
+        too_big = oversized(data, f"the result of step {plan.step_id}")
+        if too_big is not None:
+            # Sent, it would cut the scheduler's connection (see MAX_MESSAGE_BYTES): the
+            # step fails instead, as any failed step does.
+            log.error("%s; answering with an error", too_big)
+            data = encode(StepResult(step_id=plan.step_id, error=too_big))
+        return to, data
 
 
 def run(config: ExecutorServiceConfig, ranks=()) -> int:

@@ -385,6 +385,12 @@ class Scheduler:
             return outputs.fail_step(self, seqs + swapped_out, error)
         return outputs.apply_result(self, plan, seqs, result)
 
+    def fail_unsent(self, plan: StepPlan, error: str) -> outputs.StepOutputs:
+        """The plan in flight could not be sent: its requests fail as in a failed step (see
+        update). The executors never saw it, so the seqs it told them to drop go with the next."""
+        self._pending_finished.extend(plan.finished_seq_ids)
+        return self.update(plan, StepResult(plan.step_id, error=error))
+
     # ------------------------------------------------------------------ finishing
     def release_seq(self, seq: Sequence) -> None:
         """Free a seq's blocks and tell the executors to drop it with the next plan."""

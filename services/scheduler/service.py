@@ -44,7 +44,7 @@ from shared.control import ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
-from shared.wire import MAX_MESSAGE_BYTES, decode, encode
+from shared.wire import MAX_MESSAGE_BYTES, decode, encode, oversized
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -233,6 +233,16 @@ class SchedulerService:
         plan.fence = self.owner.fence
         self.plan = plan
         data = encode(plan)
+        too_big = oversized(data, f"the plan of step {plan.step_id}")
+        if too_big is not None:
+            # Never sent (it would cut the executor's connection, see MAX_MESSAGE_BYTES):
+            # the executors' state is untouched, so the requests of this step fail, the
+            # others run on. Retrying would build the same plan.
+            log.error("%s; failing its requests", too_big)
+            self.plan = None
+            self.emit(self.sched.fail_unsent(plan, too_big).request_outputs())
+            self._apply_inbox()
+            return
         for sock in self.plan_socks:
             sock.send(data, copy=False)
         self._redis_round(block_ms=0)
