@@ -33,6 +33,9 @@ def check_admission(req: GenerationRequest, config: SchedulerConfig,
     if sp.beam_width > 0 and sp.n > sp.beam_width:
         raise AdmissionError(f"n ({sp.n}) must not exceed beam_width ({sp.beam_width}): "
                              "beam search returns at most beam_width beams")
+    if sp.beam_width > 0 and sp.constraint is not None:
+        raise AdmissionError("beam search cannot follow an output constraint "
+                             "(response_format, structured_outputs, tools): drop one")
     if sp.beam_width > 0 and config.contiguous:
         raise AdmissionError("beam search needs block sharing, which the contiguous baseline "
                              "does not have: run without --contiguous")

@@ -336,7 +336,7 @@ class BlockManager:
         the tokens computed once the step has run, so that a prompt admitted later in the same
         step already maps them. NOTE: that is sound because the executors write the K/V of
         every token of the step into the cache before any attention of the same layer reads
-        it; if the step fails, the scheduler takes the registrations back (`uncache_blocks`).
+        it; if the step fails, the scheduler takes the registrations back (`uncache_scheduled`).
 
         A block is registered only under a registered parent, so a chain in the cache is
         always a real prefix; when that fails (an identical block is already cached, or the
@@ -364,9 +364,14 @@ class BlockManager:
             j += 1
         seq.num_cached_blocks = j
 
-    def uncache_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Take back the prefix-cache entries of seq's blocks [start, end): the step that
-        registered them failed (or may fail), so their K/V may never be written."""
+    def uncache_scheduled(self, seq: Sequence) -> None:
+        """Take back the prefix-cache entries of the blocks seq's step in flight fills: that
+        step failed, or seq was aborted while it runs, so their K/V may never be written."""
+        if not seq.num_scheduled_tokens:
+            return
+        bs = self.block_size
+        start = seq.num_computed_tokens // bs
+        end = (seq.num_computed_tokens + seq.num_scheduled_tokens) // bs
         gpu = self.gpu
         table = seq.block_table
         for j in range(start, min(end, len(table))):

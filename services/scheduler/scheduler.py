@@ -91,9 +91,6 @@ class Scheduler:
         if req.request_id in self.groups:
             return
         check_admission(req, cfg, self.block_manager)
-        if sp.constraint is not None and sp.beam_width > 0:
-            raise AdmissionError("beam search cannot follow an output constraint "
-                                 "(response_format, structured_outputs, tools): drop one")
         key = (req.priority if cfg.policy == "priority" else 0, self.fair.start(req),
                next(self._orders))
         group = SequenceGroup(req, key)
@@ -393,14 +390,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
     def release_seq(self, seq: Sequence) -> None:
-        """Free a seq's blocks and tell the executors to drop it with the next plan."""
-        if seq.num_scheduled_tokens:
-            # Aborted while its step runs, or its step failed: the prefix-cache entries of the
-            # blocks that step fills were registered when it was scheduled, and their K/V may
-            # never be written.
-            c = seq.num_computed_tokens
-            self.block_manager.uncache_blocks(seq, c // self.block_size,
-                                              (c + seq.num_scheduled_tokens) // self.block_size)
+        """Free a seq's blocks (taking back the prefix-cache entries of a step in flight) and
+        tell the executors to drop it with the next plan."""
+        self.block_manager.uncache_scheduled(seq)
         self.block_manager.free(seq)
         drop_from_executors(seq, self._pending_finished)
         seq.status = FINISHED
