@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -52,11 +53,19 @@ def ttft(client: httpx.Client, prompt: str) -> float:
     return first
 
 
-def calm_p50(url: str, rounds: int) -> float:
+def calm_p50(url: str, rounds: int, think_s: float) -> float:
+    """The calm key's p50 TTFT over `rounds` requests, one at a time, each sent after a
+    think time drawn uniformly from [0, think_s] (seeded): a user's next request arrives at
+    any moment of the flood's step cycle, not always just after the step that finished its
+    previous answer."""
+    rng = random.Random(0)
+    times = []
     with httpx.Client(base_url=url, timeout=300) as c:
         ttft(c, "Warm-up.")
-        return statistics.median(ttft(c, f"Question {i}: what is a river?")
-                                 for i in range(rounds))
+        for i in range(rounds):
+            time.sleep(rng.uniform(0.0, think_s))
+            times.append(ttft(c, f"Question {i}: what is a river?"))
+    return statistics.median(times)
 
 
 def flood(url: str, stop: threading.Event, counts: dict) -> None:
@@ -72,23 +81,23 @@ def flood(url: str, stop: threading.Event, counts: dict) -> None:
                 stop.wait(float(r.headers.get("retry-after", "1")))
 
 
-def scenario(name: str, flags: list[str], flooders: int, rounds: int) -> dict:
+def scenario(name: str, flags: list[str], flooders: int, rounds: int, think_s: float) -> dict:
     s = Serve(*flags, env={"PAGEDSERVE_API_KEYS": ",".join(KEYS.values())}).wait_healthy()
     try:
-        idle = calm_p50(s.base_url, rounds)
+        idle = calm_p50(s.base_url, rounds, think_s)
         stop, counts = threading.Event(), {}
         threads = [threading.Thread(target=flood, args=(s.base_url, stop, counts), daemon=True)
                    for _ in range(flooders)]
         for t in threads:
             t.start()
         time.sleep(5.0)                      # the flood fills the batch first
-        flooded = calm_p50(s.base_url, rounds)
+        flooded = calm_p50(s.base_url, rounds, think_s)
         stop.set()
         for t in threads:
             t.join(timeout=600)
         return {"stack": name, "flags": " ".join(flags), "calm_p50_idle_s": round(idle, 3),
                 "calm_p50_flood_s": round(flooded, 3), "ratio": round(flooded / idle, 2),
-                "flood_requests": counts, "load_average": os.getloadavg(), "cpu": cpu(),
+                "think_ms": think_s * 1e3, "flood_requests": counts, "load_average": os.getloadavg(), "cpu": cpu(),
                 "commit": commit()}
     finally:
         s.stop()
@@ -98,12 +107,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flooders", type=int, default=8, help="threads of the flooding key")
     p.add_argument("--rounds", type=int, default=15, help="calm requests per p50")
+    p.add_argument("--think-ms", type=float, default=200.0,
+                   help="the calm key's think time before each request: uniform in [0, this]")
     p.add_argument("--stacks", choices=["both", "limits", "none"], default="both",
                    help="which stacks: without per-key limits, with them, or both")
     a = p.parse_args()
     stacks = [("no per-key limit", []), ("per-key limits", LIMITS)]
     for name, flags in {"both": stacks, "none": stacks[:1], "limits": stacks[1:]}[a.stacks]:
-        print(json.dumps(scenario(name, flags, a.flooders, a.rounds)), flush=True)
+        print(json.dumps(scenario(name, flags, a.flooders, a.rounds, a.think_ms / 1e3)),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ recompute, the latest groups of tenants that run more than one (each keeps its e
 as a more important request does under the priority policy (priority.py counts whether
 that makes room). A victim goes to the back of its own tenant's line.
 
+First-token steps: a step of decodes already running holds the first token of a request that
+joins it by the whole step's time. So when the queue's head is the first request of a tenant
+with nothing running, while another tenant runs more than one sequence, the head is
+admitted in a step of its own (with any other such request behind it), and never two such
+steps in a row: the decodes wait one short prefill step at most. Where every tenant runs
+one sequence (many users, a request each) steps mix prefills and decodes as usual.
+
 NOTE: the cost is what a request may hold (messages.token_cost: its prompt and every token
 it may sample), the measure of the gateway's per-key token budget, so n=16 counts 16 times.
 """
@@ -80,3 +87,22 @@ def fair_candidates(head: SequenceGroup, running: list[SequenceGroup]) -> list[S
         else:
             first.add(t)
     return out
+
+
+def first_token_step(head: SequenceGroup, running: list[SequenceGroup]) -> bool:
+    """Whether `head` is admitted in a step of its own (see the module's docstring): it has
+    output nothing yet, its tenant runs nothing, and another tenant runs more than one
+    sequence."""
+    if head.first_output_sent:
+        return False
+    tenant = head.request.tenant
+    crowded = False
+    seen: set[str] = set()
+    for g in running:
+        t = g.request.tenant
+        if t == tenant:
+            return False
+        if g.max_num_seqs > 1 or t in seen:
+            crowded = True
+        seen.add(t)
+    return crowded

@@ -198,7 +198,8 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
                 outs.append(out)
             out.seqs.append(seq_delta(row))
         if row[4] is not None:                   # its finish reason
-            core.finish_seq(seq)
+            core.release_seq(seq)
+            group.seqs.remove(seq)
             if not group.seqs:
                 if out is not None:
                     out.finished = True
@@ -262,7 +263,8 @@ def beam_step(core: Scheduler, group: SequenceGroup, beams: list) -> RequestOutp
     for seq in kept:
         cands = by_parent[seq.seq_id]
         for cand in cands[1:]:
-            child = core.new_seq(group, seq.token_ids + [cand.token_id], seq.prompt_len)
+            child = group.new_seq(next(core.seq_ids), seq.token_ids + [cand.token_id],
+                                  seq.prompt_len)
             core.block_manager.fork(seq, child)
             child.status = RUNNING
             child.cumulative_logprob = cand.cumulative_logprob

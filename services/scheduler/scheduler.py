@@ -10,10 +10,11 @@ Each step spends a token budget (max_num_batched_tokens) over, in this order:
                      running groups of lower priority, or of a tenant over its fair share,
                      are preempted (recompute) to admit a waiting request that does not fit
 
-Prefill chunks and decodes share a step (chunked prefill). This module is the policy: the
-queues, the admission order (fairness.py: tenants' fair shares), the victims (priority.py:
-those of a more important waiting request). Blocks are block_manager.py's, the plan's rows
-plan.py's, applying a result outputs.py's, a grammar's hooks constrained.py's.
+Prefill chunks and decodes share a step (chunked prefill), but for first-token steps
+(fairness.py). This module is the policy: the queues, the admission order (fairness.py:
+tenants' fair shares), the victims (priority.py: those of a more important waiting
+request). Blocks are block_manager.py's, the plan's rows plan.py's, applying a result
+outputs.py's, a grammar's hooks constrained.py's.
 
 Parallel sampling (n > 1) computes the prompt once: seq 0 prefills all but the last prompt
 token, then n seqs fork from it, sharing its blocks; each computes the last prompt token
@@ -31,7 +32,7 @@ from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager, block_manager_for
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.fairness import FairQueue
+from services.scheduler.fairness import FairQueue, first_token_step
 from services.scheduler.grammar import Grammars, admit_constrained
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.priority import preemptible, victims_for
@@ -67,7 +68,8 @@ class Scheduler:
         self._pending_finished: list[int] = []   # seq ids the executors must drop next plan
         # The plan in flight: (step id, the Sequence of each row, seqs swapped out by it).
         self._inflight: tuple[int, list[Sequence], list[Sequence]] | None = None
-        self._step_id = self._next_seq_id = 0
+        self._step_id = 0
+        self.seq_ids = itertools.count()    # a new Sequence's id
         self._orders = itertools.count()    # queue order: (priority, fair start, arrival)
         self.fair = FairQueue()
         # Per schedule(): a group was preempted for blocks (then nothing is swapped in or
@@ -75,6 +77,7 @@ class Scheduler:
         # before it are admitted this step; its victims are being dropped in this plan).
         self._preempted = False
         self._admit_below: tuple | None = None
+        self._held_last = False       # the last step was a first-token step (fairness.py)
         self.num_preemptions = self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
 
@@ -96,20 +99,12 @@ class Scheduler:
         group = SequenceGroup(req, key)
         group.max_len = min(group.max_len, cfg.max_model_len)
         for _ in range(1 if group.is_beam else sp.n):
-            group.seqs.append(self.new_seq(group, list(req.prompt_token_ids), L))
+            group.seqs.append(group.new_seq(next(self.seq_ids), list(req.prompt_token_ids), L))
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group
         heapq.heappush(self.waiting, (key, group))
         self.num_waiting += 1
-
-    def new_seq(self, group: SequenceGroup, tokens: list[int], prompt_len: int) -> Sequence:
-        seq = Sequence(self._next_seq_id, group, tokens, prompt_len, group.next_sample_index)
-        self._next_seq_id += 1
-        group.next_sample_index += 1
-        if group.sampling.logprobs is not None:
-            seq.logprobs = []
-        return seq
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Finish a request now and free everything it holds. Returns its final output
@@ -141,7 +136,8 @@ class Scheduler:
         if group.needs_fork and seq is group.seqs[0]:
             return None
         seq.finish_reason = reason
-        self.finish_seq(seq)
+        self.release_seq(seq)
+        group.seqs.remove(seq)
         return outputs.request_output(group, [SeqDelta(
             seq.sample_index, [], finish_reason=reason, cumulative_logprob=seq.cumulative_logprob)])
 
@@ -163,11 +159,12 @@ class Scheduler:
             heapq.heappush(self.waiting, (group.sort_key, group))
         if self.running and self.waiting and not self.swapped:
             self._preempt_for_waiting(step)
-        self._schedule_running(step)
-        if not self._preempted:
-            self._schedule_swapped(step)
-            if not self.swapped:
-                self._schedule_waiting(step)
+        if not self._first_token_step(step):
+            self._schedule_running(step)
+            if not self._preempted:
+                self._schedule_swapped(step)
+                if not self.swapped:
+                    self._schedule_waiting(step)
         if step.is_empty:
             self._pending_finished = step.finished_seq_ids
             if self.grammars.wait():    # only a grammar compiles: wait for it, then admit
@@ -177,6 +174,17 @@ class Scheduler:
         plan, seqs = step.build(self._step_id)
         self._inflight = (self._step_id, seqs, step.swapped_out_seqs)
         return plan
+
+    def _first_token_step(self, step: PlanBuilder) -> bool:
+        """Admit the waiting requests fairness.first_token_step picks alone in this step,
+        never in two steps in a row. Whether it did."""
+        head = None if self._held_last or self.swapped else self._waiting_head()
+        if head is not None and first_token_step(head, self.running):
+            self._schedule_waiting(step, first_tokens=True)
+            self._held_last = not step.is_empty
+        else:
+            self._held_last = False
+        return self._held_last
 
     def _schedule_running(self, step: PlanBuilder) -> None:
         allocate_slots = self.block_manager.allocate_slots
@@ -216,7 +224,7 @@ class Scheduler:
             self._start_running(group)
             self._schedule_group(group, step, may_preempt=False)
 
-    def _schedule_waiting(self, step: PlanBuilder) -> None:
+    def _schedule_waiting(self, step: PlanBuilder, first_tokens: bool = False) -> None:
         bm = self.block_manager
         waiting = self.waiting
         while waiting and step.budget > 0:
@@ -224,6 +232,8 @@ class Scheduler:
             if group.status != WAITING:          # aborted while queued
                 heapq.heappop(waiting)
                 continue
+            if first_tokens and not first_token_step(group, self.running):
+                return
             if self._admit_below is not None and group.sort_key >= self._admit_below:
                 return
             if self.num_running_seqs + group.max_num_seqs > self.config.max_num_seqs:
@@ -397,10 +407,6 @@ class Scheduler:
         drop_from_executors(seq, self._pending_finished)
         seq.status = FINISHED
 
-    def finish_seq(self, seq: Sequence) -> None:
-        self.release_seq(seq)
-        seq.group.seqs.remove(seq)
-
     def finish_group(self, group: SequenceGroup, prune_running: bool = True) -> None:
         """Release everything a request holds, whatever its state."""
         status = group.status
@@ -422,20 +428,17 @@ class Scheduler:
     def recompute_all(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The executors lost every KV block (an executor restarted, or its state after a
         failed step is unknown): start over on a fresh pool of this size. Every unfinished
-        request goes back to waiting, in its queue order, and is recomputed from its prompt
-        and the tokens it has already output, as a preemption by recompute would; the plan
-        in flight, if any, is forgotten (its result never comes)."""
+        request waits again, in queue order, to be recomputed from its prompt and output so
+        far, as after a preemption by recompute; the plan in flight is forgotten."""
         self._new_pool(num_gpu_blocks, num_cpu_blocks)
         self._inflight = None
         self._pending_finished = []
         self.running, self.swapped, self.num_running_seqs = [], [], 0
-        self.waiting = []
         for group in self.groups.values():
             for seq in group.seqs:
                 seq.forget_blocks()
             group.to_recompute()
-            self.waiting.append((group.sort_key, group))
-        heapq.heapify(self.waiting)
+        self.waiting = sorted((g.sort_key, g) for g in self.groups.values())   # a heap
         self.num_waiting = len(self.waiting)
 
     def _new_pool(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
@@ -444,5 +447,4 @@ class Scheduler:
         self.watermark_blocks = int(self.config.watermark * num_gpu_blocks)
 
     # ------------------------------------------------------------------ figures
-    def stats(self) -> SchedulerStats:
-        return scheduler_stats(self)
+    stats = scheduler_stats      # -> SchedulerStats (stats.py)

@@ -142,6 +142,14 @@ class SequenceGroup:
         self.min_len = len(request.prompt_token_ids) + sp.min_tokens   # stop tokens count from here
         self.max_len = len(request.prompt_token_ids) + sp.max_tokens   # "length" at this many
 
+    def new_seq(self, seq_id: int, tokens: list[int], prompt_len: int) -> Sequence:
+        """A new sequence of this request (its next sample index), not yet in `seqs`."""
+        seq = Sequence(seq_id, self, tokens, prompt_len, self.next_sample_index)
+        self.next_sample_index += 1
+        if self.sampling.logprobs is not None:
+            seq.logprobs = []
+        return seq
+
     def to_recompute(self) -> None:
         """Back to waiting, its seqs to be computed again from their tokens (the seqs' blocks
         are already freed): they fork again, and prompt logprobs not yet sent are computed

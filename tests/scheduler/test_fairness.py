@@ -83,3 +83,62 @@ def test_a_tenant_with_nothing_running_preempts_another_tenants_latest_group():
     while sched.has_unfinished():
         step()
     assert sched.stats().num_preemptions == 1
+
+
+def _stack(max_num_seqs: int = 32):
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=max_num_seqs,
+                                      max_model_len=256), 256, 0)
+    ex = FakeExecutor(256, 0, 4)
+
+    def add(rid, tenant, n=1, max_tokens=40):
+        sched.add_request(GenerationRequest(
+            rid, [1, 2, 3, 4, 5], SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0),
+            tenant=tenant))
+
+    def step():
+        plan = sched.schedule()
+        sched.update(plan, ex.execute(plan))
+        return {sched_id_of(plan, i) for i in range(len(plan.seq_ids))}
+
+    def sched_id_of(plan, i):
+        return next(g.request_id for g in list(sched.groups.values())
+                    if any(s.seq_id == plan.seq_ids[i] for s in g.seqs))
+
+    return sched, add, step
+
+
+def test_a_calm_tenants_first_token_gets_a_step_of_its_own_while_another_tenant_floods():
+    # The flood runs one n=8 request; the calm tenant's request is admitted in a step that
+    # runs it alone (its first token waits for no decode), and the next step runs both.
+    sched, add, step = _stack()
+    add("flood", "f", n=8)
+    for _ in range(4):
+        step()
+    assert step() == {"flood"}
+    add("calm", "c")
+    assert step() == {"calm"}
+    assert step() == {"flood", "calm"}
+    add("calm2", "d")
+    assert step() == {"calm2"}
+    # Never two first-token steps in a row (the flood's decodes would wait twice running):
+    # a request arriving right after one joins the decodes.
+    add("calm3", "e")
+    assert step() == {"flood", "calm", "calm2", "calm3"}
+
+
+def test_no_first_token_step_when_every_tenant_runs_one_sequence():
+    # Many users, a request each: a newcomer's prefill joins the running decodes.
+    sched, add, step = _stack()
+    add("a", "ta")
+    add("b", "tb")
+    for _ in range(3):
+        step()
+    add("c", "tc")
+    assert step() == {"a", "b", "c"}
+    # Nor for a tenant that already runs something.
+    add("flood", "f", n=4)
+    step()
+    step()
+    add("flood-more", "f")
+    ran = step()
+    assert "flood-more" in ran and "a" in ran
