@@ -50,7 +50,7 @@ def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
         return packed, lambda x: mkl_linear(x, packed, w, b)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return packed, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return packed, lambda x: onednn_linear(x, packed, b)
 
 
 # NOTE: MKL runs a small row count with other kernels than its blocked GEMM (one row as a
@@ -72,6 +72,34 @@ def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor,
         padded[:m] = x
         return torch.ops.mkl._mkl_linear(padded, packed, w, b, MKL_MIN_ROWS)[:m]
     return torch.ops.mkl._mkl_linear(x, packed, w, b, m)
+
+
+def onednn_rows(m: int) -> int:
+    """The row count oneDNN runs `m` rows as: m itself up to 16, else m rounded up to one of
+    8 steps per power of two (at most 1/8 of padding rows)."""
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  b: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul over a weight packed once, with the rows padded to onednn_rows.
+
+    NOTE: oneDNN (and torch's ideep layer over it) builds and caches a primitive per input
+    shape: 0.5-6 ms to build on an AMX Xeon, and about 0.6 MB each kept in the caches (up
+    to 1,024 shapes each). Unpadded, the row counts of a serving workload (every prompt
+    length) grew the executor's memory without bound and rebuilt a primitive in most
+    prefill steps; padded, a model's projections have at most 80 shapes per weight up to
+    4,096 rows (docs/soak.md measures the memory, docs/executor.md the speed)."""
+    m = x.shape[0]
+    r = onednn_rows(m)
+    if r != m:
+        padded = x.new_zeros(r, x.shape[1])
+        padded[:m] = x
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, b, "none", [], "")[:m]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
 def _probe(gemm: str) -> tuple[torch.Tensor, torch.Tensor, Callable]:

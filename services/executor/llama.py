@@ -152,7 +152,7 @@ class Linear:
             return cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         if self.gemm == "mkl":
             return cpu_gemm.mkl_linear(x, self.packed, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return cpu_gemm.onednn_linear(x, self.packed, self.bias)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of this [gate | up] weight, in the GEMM (needs `glu`)."""

@@ -52,3 +52,26 @@ def test_runner_auto_and_explicit(monkeypatch, tiny_llama, vendor, isa, expected
     auto = tiny_runner(folder, dtype="auto")
     assert auto.dtype == expected and auto.kv.gpu.dtype == expected
     assert tiny_runner(folder, dtype="float32").dtype == torch.float32
+
+
+def test_onednn_runs_a_bounded_set_of_row_counts_with_little_padding():
+    # oneDNN keeps a primitive per input shape: every row count a workload brings would
+    # grow the executor's memory (cpu_gemm.onednn_linear).
+    rows = [cpu_gemm.onednn_rows(m) for m in range(1, 4097)]
+    assert len(set(rows)) <= 80
+    assert all(m <= r <= m + m / 8 for m, r in zip(range(1, 4097), rows))
+    assert rows[:16] == list(range(1, 17))
+
+
+@pytest.mark.skipif(not cpu_gemm.bf16_packing(), reason="this torch build does not pack bf16 "
+                    "weights for oneDNN on this CPU")
+def test_padded_onednn_rows_give_the_unpadded_product():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(960, 576, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    for m in (1, 16, 17, 33, 130, 1000):
+        x = torch.randn(m, 576, generator=g).bfloat16()
+        out = cpu_gemm.onednn_linear(x, packed, None)
+        assert out.shape == (m, 960) and out.is_contiguous()
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        assert (out.float() - ref).abs().max() <= 0.02 * ref.abs().max(), m
