@@ -43,7 +43,7 @@ def _served_by(cluster: Cluster) -> dict[str, float]:
     return out
 
 
-def test_both_replicas_serve_and_a_dead_one_loses_no_queued_request(two_replicas):
+def test_both_replicas_serve_and_every_request_of_a_dead_one_completes(two_replicas):
     c = two_replicas
     outs, threads = launch(c.base_url, [f"Replica test {i}: the ocean" for i in range(12)], 24)
     # each replica runs at most 2 at a time, so most requests queue in Redis or in a replica
@@ -58,15 +58,11 @@ def test_both_replicas_serve_and_a_dead_one_loses_no_queued_request(two_replicas
     for t in threads:
         t.join(timeout=240)
     assert not any(t.is_alive() for t in threads), "a request hung after a replica died"
-    done = [o for o in outs if o.error is None]
-    for o in done:
-        assert o.usage_tokens == 24 and o.finish == "length"
+    # Those sched-b had queued are run by sched-a; those it was running continue there
+    # from the tokens their streams hold: no client sees an error.
+    assert [o.error for o in outs] == [None] * 12
     for o in outs:
-        if o.error is not None:
-            assert "retry" in o.error     # it had started on the dead replica: explicit error
-    # every request sched-b had taken but not started was re-run by sched-a
-    assert len(done) >= 12 - 2
-    assert len(done) + sum(o.error is not None for o in outs) == 12
+        assert o.usage_tokens == 24 and o.finish == "length"
 
 
 def _published(cluster: Cluster) -> dict[str, tuple[int, int]]:
