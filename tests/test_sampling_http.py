@@ -106,3 +106,8 @@ def test_beam_search_returns_n_distinct_beams_best_first(complete):
     scores = [sum(b["logprobs"]["token_logprobs"]) for b in beams]
     assert scores == sorted(scores, reverse=True), scores
     assert all(len(b["logprobs"]["tokens"]) == 8 for b in beams)
+    # The beams are the likeliest continuations found, not any three: the best one is at
+    # least as likely as the greedy one (which a search of width 3 keeps in view here).
+    greedy = complete(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    greedy_score = sum(greedy["choices"][0]["logprobs"]["token_logprobs"])
+    assert scores[0] >= greedy_score - 1e-3, (scores, greedy_score)
