@@ -52,40 +52,9 @@ def test_fairness_orders_within_a_priority_only(calm_priority, expect_calm_at):
     assert order.index("calm") == expect_calm_at
 
 
-def test_a_tenant_with_nothing_running_preempts_another_tenants_latest_group():
-    # Two groups of 8 of the flooding tenant hold all 16 seats; the calm tenant's request is
-    # admitted in the very next step, by recompute of the flood's latest group, which then
-    # waits behind the flood's own queued request; the flood keeps its earliest group.
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=16, max_model_len=256), 256, 0)
-    ex = FakeExecutor(256, 0, 4)
-
-    def add(rid, tenant, n, max_tokens=40):
-        sched.add_request(GenerationRequest(
-            rid, [1, 2, 3, 4, 5], SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0),
-            tenant=tenant))
-
-    def step():
-        plan = sched.schedule()
-        sched.update(plan, ex.execute(plan))
-        return plan
-
-    add("flood0", "f", 8)
-    add("flood1", "f", 8)
-    add("flood2", "f", 8)
-    for _ in range(4):
-        step()
-    assert [g.request_id for g in sched.running] == ["flood0", "flood1"]
-    add("calm", "c", 1, max_tokens=4)
-    plan = step()
-    assert "calm" in {ns.request_id for ns in plan.new_seqs}
-    assert [g.request_id for g in sched.running] == ["flood0", "calm"]
-    assert [g.request_id for _, g in sorted(sched.waiting)] == ["flood2", "flood1"]
-    while sched.has_unfinished():
-        step()
-    assert sched.stats().num_preemptions == 1
-
-
 def _stack(max_num_seqs: int = 32):
+    """A scheduler on the FakeExecutor; add(request id, tenant, n, max_tokens) queues a
+    request, step() runs one step and returns its plan and the request ids it ran."""
     sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=max_num_seqs,
                                       max_model_len=256), 256, 0)
     ex = FakeExecutor(256, 0, 4)
@@ -97,14 +66,32 @@ def _stack(max_num_seqs: int = 32):
 
     def step():
         plan = sched.schedule()
+        owner = {s.seq_id: g.request_id for g in sched.groups.values() for s in g.seqs}
         sched.update(plan, ex.execute(plan))
-        return {sched_id_of(plan, i) for i in range(len(plan.seq_ids))}
-
-    def sched_id_of(plan, i):
-        return next(g.request_id for g in list(sched.groups.values())
-                    if any(s.seq_id == plan.seq_ids[i] for s in g.seqs))
+        return plan, {owner[i] for i in plan.seq_ids}
 
     return sched, add, step
+
+
+def test_a_tenant_with_nothing_running_preempts_another_tenants_latest_group():
+    # Two groups of 8 of the flooding tenant hold all 16 seats; the calm tenant's request is
+    # admitted in the very next step, by recompute of the flood's latest group, which then
+    # waits behind the flood's own queued request; the flood keeps its earliest group.
+    sched, add, step = _stack(max_num_seqs=16)
+    add("flood0", "f", 8)
+    add("flood1", "f", 8)
+    add("flood2", "f", 8)
+    for _ in range(4):
+        step()
+    assert [g.request_id for g in sched.running] == ["flood0", "flood1"]
+    add("calm", "c", 1, max_tokens=4)
+    plan, _ = step()
+    assert "calm" in {ns.request_id for ns in plan.new_seqs}
+    assert [g.request_id for g in sched.running] == ["flood0", "calm"]
+    assert [g.request_id for _, g in sorted(sched.waiting)] == ["flood2", "flood1"]
+    while sched.has_unfinished():
+        step()
+    assert sched.stats().num_preemptions == 1
 
 
 def test_a_calm_tenants_first_token_gets_a_step_of_its_own_while_another_tenant_floods():
@@ -114,16 +101,16 @@ def test_a_calm_tenants_first_token_gets_a_step_of_its_own_while_another_tenant_
     add("flood", "f", n=8)
     for _ in range(4):
         step()
-    assert step() == {"flood"}
+    assert step()[1] == {"flood"}
     add("calm", "c")
-    assert step() == {"calm"}
-    assert step() == {"flood", "calm"}
+    assert step()[1] == {"calm"}
+    assert step()[1] == {"flood", "calm"}
     add("calm2", "d")
-    assert step() == {"calm2"}
+    assert step()[1] == {"calm2"}
     # Never two first-token steps in a row (the flood's decodes would wait twice running):
     # a request arriving right after one joins the decodes.
     add("calm3", "e")
-    assert step() == {"flood", "calm", "calm2", "calm3"}
+    assert step()[1] == {"flood", "calm", "calm2", "calm3"}
 
 
 def test_no_first_token_step_when_every_tenant_runs_one_sequence():
@@ -134,11 +121,11 @@ def test_no_first_token_step_when_every_tenant_runs_one_sequence():
     for _ in range(3):
         step()
     add("c", "tc")
-    assert step() == {"a", "b", "c"}
+    assert step()[1] == {"a", "b", "c"}
     # Nor for a tenant that already runs something.
     add("flood", "f", n=4)
     step()
     step()
     add("flood-more", "f")
-    ran = step()
+    _, ran = step()
     assert "flood-more" in ran and "a" in ran
