@@ -9,7 +9,9 @@ sharded KV pool, the cache operations and the all-reduces are all on the path.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -191,3 +193,29 @@ def test_the_ranks_listen_on_loopback_only_and_shutdown_stops_every_rank(tiny8):
         assert [p.poll() for p in group.procs] == [0, 0], "a rank outlived Shutdown"
     finally:
         group.close()
+
+
+def test_rank_0_exits_when_a_rank_it_started_dies_while_the_group_is_idle(tiny8):
+    """No step runs, so no collective fails: rank 0's watch over the ranks it started is
+    what stops the group (status 1, for a supervisor to restart it)."""
+    grpc, zmq_port, dist = free_ports(2), free_ports(3), free_port()
+    rank0 = subprocess.Popen(
+        [sys.executable, "-m", "services.launcher", "executor", "--model", str(tiny8),
+         "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2",
+         "--grpc-port", str(grpc), "--zmq-port", str(zmq_port), "--dist-port", str(dist),
+         "--num-threads", "1", "--max-model-len", "512", "--num-gpu-blocks", "16",
+         "--block-size", str(BLOCK), "--log-level", "warning"],
+        cwd=REPO, start_new_session=True)
+    try:
+        client = ExecutorClient(f"127.0.0.1:{grpc}")
+        deadline = time.monotonic() + 300
+        while not client.is_alive(1.0):
+            assert rank0.poll() is None and time.monotonic() < deadline, "rank 0 never came up"
+            time.sleep(0.2)
+        with open(f"/proc/{rank0.pid}/task/{rank0.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        assert len(children) == 1, children
+        os.kill(children[0], signal.SIGKILL)
+        assert rank0.wait(timeout=30) == 1
+    finally:
+        stop_process(rank0, timeout=10)
