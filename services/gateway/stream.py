@@ -167,27 +167,39 @@ class GenerationStream:
 
     async def _client_gone(self) -> None:
         """A plain request is aborted now; a resumable one after resume_grace_s, if it is
-        still running then and no connection follows it."""
+        still running then and no connection follows it.
+
+        While a resumable request runs on, this response does not end: the request keeps
+        its key's budget share (held until the response ends, budgets.Holding) until it
+        finishes, whichever connection follows it meanwhile."""
         queue = self.gw.queue
         if not self.resumable:
             for part in self.parts:
                 await self._abort_if_running(part, "client_disconnected")
             return
         part = self.parts[0]
+        rid = part.spec.request_id
         try:
-            if part.proc.scheduler_finished or await queue.detach(part.spec.request_id) > 0:
+            if part.proc.scheduler_finished:
                 return
+            followed = await queue.detach(rid) > 0
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.gw.config.resume_grace_s
             part.sub.interrupted = False
-            while loop.time() < deadline:
+            while followed or loop.time() < deadline:
                 for _k, _entry, out in await next_outputs([part.sub], GRACE_POLL_S):
                     part.proc.process(out)
-                await self._stop_finished_choices()
-                if part.proc.scheduler_finished or part.proc.done:
-                    break
-                if await queue.readers(part.spec.request_id) > 0:
-                    return                   # a resumed connection follows it now
+                if part.proc.scheduler_finished:
+                    return
+                if not followed:
+                    await self._stop_finished_choices()
+                    if part.proc.done:
+                        break
+                    # a resumed connection follows it now: it aborts it if it drops too
+                    followed = await queue.readers(rid) > 0
+                if part.sub.error is not None or (
+                        time.monotonic() - self.started_at > self.gw.config.request_timeout_s):
+                    return
         except QueueUnavailable:
             pass
         await self._abort_if_running(part, "client_disconnected")
