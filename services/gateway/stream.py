@@ -188,7 +188,10 @@ class GenerationStream:
             part.sub.interrupted = False
             while followed or loop.time() < deadline:
                 for _k, _entry, out in await next_outputs([part.sub], GRACE_POLL_S):
-                    part.proc.process(out)
+                    if not followed:
+                        part.proc.process(out)
+                    elif out.finished or out.error:   # the resumed connection answers it
+                        return
                 if part.proc.scheduler_finished:
                     return
                 if not followed:
