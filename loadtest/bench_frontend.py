@@ -96,6 +96,11 @@ def run_source(args) -> None:
 
     from services.scheduler.redis_link import Heartbeat, RedisLink
     from shared.messages import RequestOutput, SeqDelta
+    try:        # a tree whose link takes outputs encoded (as its scheduler publishes them)
+        from services.scheduler.outputs import outgoing
+    except ImportError:
+        def outgoing(out):
+            return out
     from shared.redis_keys import RedisKeys
 
     link = RedisLink(redis.Redis.from_url(args.redis_url), RedisKeys(PREFIX), "bench-source")
@@ -104,7 +109,7 @@ def run_source(args) -> None:
     step_s = args.step_ms / 1000
     running: dict[str, list] = {}       # request id -> [entry id, tokens sent, max_tokens]
     published: dict[str, list[float]] = {}   # request id -> time each token was handed over
-    ended, acks, outputs = 0, [], []
+    ended, acks, outputs, rids = 0, [], [], []
     stop = False
 
     def on_term(*_):
@@ -117,18 +122,18 @@ def run_source(args) -> None:
     while not stop and ended < args.expect:
         now = time.time()
         inbound = link.round(outputs, acks, Heartbeat(now=link.now()), read=True, want=4096)
-        for rid, _ in ((o.request_id, o) for o in outputs):
+        for rid in rids:
             published[rid].append(now)
-        outputs, acks = [], []
+        outputs, rids, acks = [], [], []
         for entry_id, req in inbound.requests:
             running[req.request_id] = [entry_id, 0, req.sampling.max_tokens]
             published[req.request_id] = []
         for rid, state in list(running.items()):
             entry_id, sent, budget = state
             last = sent + 1 >= budget
-            outputs.append(RequestOutput(rid, [SeqDelta(0, [ids[sent % len(ids)]],
-                                                        finish_reason="length" if last else None)],
-                                         finished=last))
+            delta = SeqDelta(0, [ids[sent % len(ids)]], finish_reason="length" if last else None)
+            outputs.append(outgoing(RequestOutput(rid, [delta], finished=last)))
+            rids.append(rid)
             state[1] = sent + 1
             if last:
                 del running[rid]

@@ -8,9 +8,10 @@ news (StepOutputs, columnar). Two figures are timed apart, what the scheduler se
 per step around the core (in --json):
 
     wire_ms      the executor's wire: encoding the plan, decoding the result (shared/wire.py)
-    publish_ms   the outputs' edge: building each request's RequestOutput from the step's
-                 columns and encoding it for its output stream (as service.py and
-                 redis_link.py do before the XADD)
+    publish_ms   the outputs' edge: encoding each request's RequestOutput from the step's
+                 columns for its output stream (StepOutputs.encoded), then the scheduler
+                 service's own per-output work before the XADD (SchedulerService.publish:
+                 the request timeline and its latency histograms)
 
     python loadtest/bench_scheduler.py [--sizes 64,256,1024] [--steps 300] [--repeats 3]
                                        [--gc default|service|both] [--json]
@@ -54,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.workloads import SHAREGPT, sample_lengths  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.metrics import SchedulerMetrics  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
+from services.scheduler.service import SchedulerService, SchedulerServiceConfig  # noqa: E402
 from shared.messages import GenerationRequest, SamplingParams, StepResult  # noqa: E402
 from shared.wire import decode, encode  # noqa: E402
 
@@ -96,6 +99,12 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
             sched.update(plan, fake_result(plan))
             break
         sched.update(plan, fake_result(plan))
+    # The service's publishing half, with no Redis or executor behind it (neither is
+    # reached: publish() only queues for the next round).
+    service = SchedulerService(SchedulerServiceConfig(core=cfg))
+    service.sched = sched
+    service.metrics = SchedulerMetrics("bench", sched.stats)
+    service.requests = dict(sched.groups)
     gc.collect()
     if untimed:
         for _ in range(steps):
@@ -116,8 +125,10 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
         t3 = time.perf_counter()
         outs = sched.update(plan, result)
         t4 = time.perf_counter()
-        published = [encode(out) for out in outs.request_outputs()]
+        published = outs.encoded()
+        service.publish(published)
         t5 = time.perf_counter()
+        service.pending_outputs.clear()
         assert len(plan.seq_ids) == num_seqs and len(published) == num_seqs
         times.append((t1 - t0) + (t4 - t3))
         wire.append(t3 - t2)

@@ -79,6 +79,22 @@ def encode(msg: Any) -> bytes:
                          use_bin_type=True)
 
 
+def tuple_encoder(cls: type) -> Callable[[tuple], bytes]:
+    """A function that encodes a `cls` message given as the tuple of all its field values
+    (declaration order; a nested message as a message or as its own field tuple): the bytes
+    of `encode(cls(*fields))`, without building the message. For loops that publish one
+    message per sequence per step. Not thread-safe (it keeps one msgpack.Packer): make one
+    per loop."""
+    if cls.__name__ not in _REGISTRY:
+        raise WireError(f"{cls.__name__} is not a registered wire message")
+    pack = msgpack.Packer(default=_default, use_bin_type=True).pack
+    head = (WIRE_VERSION, cls.__name__)
+
+    def encode_fields(fields: tuple) -> bytes:
+        return pack(head + fields)
+    return encode_fields
+
+
 def oversized(data: bytes, what: str) -> str | None:
     """Why `data` (an encoded `what`) may not be sent: over MAX_MESSAGE_BYTES; else None."""
     if len(data) <= MAX_MESSAGE_BYTES:

@@ -1,7 +1,7 @@
 """The scheduler's link to Redis: one pipelined round trip per iteration, typed batches.
 
     round(outputs, acks, heartbeat, want)
-      out   RequestOutputs          XADD {prefix}:out:{id}, EXPIRE        } one script, run only
+      out   encoded RequestOutputs  XADD {prefix}:out:{id}, EXPIRE        } one script, run only
             acks of ended requests  XACK + XDEL of their request-stream entries } while this
                                                                           process holds its claim
             Heartbeat               HSET/HDEL of the liveness and health hashes, SET metrics
@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgpack
 import redis
@@ -30,7 +30,10 @@ import redis
 from shared.messages import AbortRequest, GenerationRequest, RequestOutput
 from shared.redis_keys import (CONSUMER_GROUP, FINISHED_OUTPUT_TTL_S, MSG_FIELD, OUTPUT_TTL_S,
                                RedisKeys)
-from shared.wire import WireError, decode, encode
+from shared.wire import WireError, decode
+
+if TYPE_CHECKING:
+    from services.scheduler.outputs import Outgoing
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -137,7 +140,7 @@ class RedisLink:
         name, if one still runs, publishes nothing more."""
         self.redis.set(self.keys.claim(self.name), self.token)
 
-    def round(self, outputs: list[RequestOutput], acks: list[str], beat: Heartbeat | None,
+    def round(self, outputs: list[Outgoing], acks: list[str], beat: Heartbeat | None,
               read: bool = True, want: int = 0) -> Inbound:
         """Publish, acknowledge, beat, then (when `read`) read aborts and up to `want` new
         requests, in one round trip. Raises redis.ConnectionError / TimeoutError when Redis
@@ -155,10 +158,10 @@ class RedisLink:
             # stream as long as the unfinished work (the group's lag stays exact: only entries
             # before its last-delivered id are deleted).
             keys = [self.keys.claim(self.name), self.keys.requests,
-                    *(self.keys.output(o.request_id) for o in outputs)]
+                    *(self.keys.output(request_id) for request_id, *_ in outputs)]
             args = [self.token, CONSUMER_GROUP, MSG_FIELD, len(outputs)]
-            for out in outputs:
-                args += [encode(out), FINISHED_OUTPUT_TTL_S if out.finished else OUTPUT_TTL_S]
+            for _, finished, _, _, data in outputs:
+                args += [data, FINISHED_OUTPUT_TTL_S if finished else OUTPUT_TTL_S]
             if self._publish_sha is None:
                 self._publish_sha = self.redis.script_load(_PUBLISH)
             # NOTE: EVALSHA on the pipeline, not a registered Script: redis-py would check

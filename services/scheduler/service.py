@@ -34,7 +34,7 @@ import zmq
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.outputs import result_error
+from services.scheduler.outputs import Outgoing, outgoing, result_error
 from services.scheduler.recovery import ExecutorLost, ExecutorTaken, Ownership, Recovery
 from services.scheduler.redis_link import ClaimLost, Heartbeat, Inbound, RedisLink
 from services.scheduler.scheduler import AdmissionError, Scheduler
@@ -100,7 +100,7 @@ class SchedulerService:
         self.requests: dict[str, SequenceGroup] = {}
         self.degraded: str | None = None                     # why /health should say degraded
         self.recent_aborts: dict[str, float] = {}   # request_id -> when (aborts may precede reads)
-        self.pending_outputs: list[RequestOutput] = []
+        self.pending_outputs: list[Outgoing] = []       # encoded, for the next round
         self.to_ack: list[str] = []
         self.inbox: list[tuple[str, GenerationRequest]] = []     # (entry id, request)
         self.abort_inbox: list[AbortRequest] = []
@@ -240,7 +240,7 @@ class SchedulerService:
             # others run on. Retrying would build the same plan.
             log.error("%s; failing its requests", too_big)
             self.plan = None
-            self.emit(self.sched.fail_unsent(plan, too_big).request_outputs())
+            self.publish(self.sched.fail_unsent(plan, too_big).encoded())
             self._apply_inbox()
             return
         for sock in self.plan_socks:
@@ -256,7 +256,7 @@ class SchedulerService:
             self.recovery.recover(plan, error, executor_alive=self.owner.check())
             return
         self.plan = None
-        self.emit(self.sched.update(plan, result).request_outputs())
+        self.publish(self.sched.update(plan, result).encoded())
         self._apply_inbox()
 
     def stop(self) -> None:
@@ -325,9 +325,8 @@ class SchedulerService:
         acks = list(self.to_ack)
         want = self._read_count() if read else 0
         try:
-            inbound = self.link.round(outputs, acks, self._heartbeat(any(o.finished
-                                                                         for o in outputs)),
-                                      read, want)
+            ended = any(finished for _, finished, *_ in outputs)
+            inbound = self.link.round(outputs, acks, self._heartbeat(ended), read, want)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("Redis unreachable (%s); %d outputs held", exc, len(outputs))
             time.sleep(max(block_ms, 100) / 1000)
@@ -348,8 +347,8 @@ class SchedulerService:
         self.inbox += inbound.requests
         self.to_ack += inbound.malformed
         for request_id, why in inbound.refused:
-            self.pending_outputs.append(RequestOutput(request_id, [], finished=True,
-                                                      error=why, error_code=400))
+            self.emit([RequestOutput(request_id, [], finished=True, error=why,
+                                     error_code=400)])
 
     def _read_count(self) -> int:
         held = len(self.requests) + len(self.inbox)
@@ -388,14 +387,14 @@ class SchedulerService:
         self.abort_inbox = []
         for eid, req in self.inbox:
             if req.request_id in self.recent_aborts:
-                self.pending_outputs.append(_ended(req, "abort"))
+                self.emit([_ended(req, "abort")])
                 self.to_ack.append(eid)
                 continue
             try:
                 self.sched.add_request(req)
             except AdmissionError as exc:
-                self.pending_outputs.append(RequestOutput(
-                    req.request_id, [], finished=True, error=str(exc), error_code=400))
+                self.emit([RequestOutput(req.request_id, [], finished=True, error=str(exc),
+                                         error_code=400)])
                 self.to_ack.append(eid)
                 continue
             group = self.sched.groups[req.request_id]
@@ -413,21 +412,24 @@ class SchedulerService:
             self.recent_aborts = {k: v for k, v in self.recent_aborts.items() if v > cutoff}
 
     def emit(self, outputs: list[RequestOutput]) -> None:
-        """Queue outputs for the next round; observe the request timeline; an ended request's
-        stream entry is acknowledged in the same round as its last output."""
+        """Queue whole outputs for the next round (see publish)."""
+        self.publish([outgoing(out) for out in outputs])
+
+    def publish(self, outputs: list[Outgoing]) -> None:
+        """Queue encoded outputs for the next round; observe the request timeline; an ended
+        request's stream entry is acknowledged in the same round as its last output."""
+        self.pending_outputs += outputs
         now = time.time()
-        for out in outputs:
-            self.pending_outputs.append(out)
-            group = (self.requests.pop(out.request_id, None) if out.finished
-                     else self.requests.get(out.request_id))
+        requests = self.requests
+        for request_id, finished, failed, new, _ in outputs:
+            group = requests.pop(request_id, None) if finished else requests.get(request_id)
             if group is None:
                 continue
-            if out.finished:
+            if finished:
                 self.to_ack.append(group.entry_id)
-                self.recovery.forget(out.request_id)
-                if out.error is None:
+                self.recovery.forget(request_id)
+                if not failed:
                     self.metrics.e2e.observe(max(0.0, now - group.arrival_time))
-            new = sum(len(s.token_ids) for s in out.seqs)
             if not new:
                 continue
             if not group.first_token_at:

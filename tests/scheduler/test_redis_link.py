@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from services.scheduler.outputs import outgoing
 from services.scheduler.redis_link import ClaimLost, Heartbeat, RedisLink
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SamplingParams,
                              SeqDelta)
@@ -32,7 +33,7 @@ def test_a_round_returns_requests_and_aborts_typed_whatever_it_asked(redis_serve
     link.redis.xadd(link.keys.aborts, {MSG_FIELD: encode(AbortRequest("z", "client gone"))})
     out = RequestOutput("old", [], finished=True)
     # Outputs, a heartbeat with metrics, aborts and requests in one round trip:
-    got = link.round([out], [], Heartbeat(1.5, "executor lost: test", b"m 1\n"), want=8)
+    got = link.round([outgoing(out)], [], Heartbeat(1.5, "executor lost: test", b"m 1\n"), want=8)
     assert [(r.request_id, type(r).__name__) for _, r in got.requests] == [
         ("a", "GenerationRequest")]
     assert len(got.malformed) == 1 and got.aborts == [AbortRequest("z", "client gone")]
@@ -70,16 +71,16 @@ def test_a_scheduler_whose_requests_were_taken_over_publishes_nothing_more(redis
     stalled.hold_claim()
     _enqueue(stalled, "a")
     ((eid, _),) = stalled.round([], [], None, want=8).requests
-    stalled.round([RequestOutput("a", [SeqDelta(0, [5])])], [], None, read=False)
+    stalled.round([outgoing(RequestOutput("a", [SeqDelta(0, [5])]))], [], None, read=False)
     # it stops beating; another takes its requests over and continues the stream
     successor = RedisLink(stalled.redis, stalled.keys, "successor")
     successor.hold_claim()
     assert [e for e, _ in successor.take_pending("stalled").requests] == [eid]
-    successor.round([RequestOutput("a", [SeqDelta(0, [6])])], [], None, read=False)
+    successor.round([outgoing(RequestOutput("a", [SeqDelta(0, [6])]))], [], None, read=False)
     # the stalled one wakes up: neither its output nor its ack goes out
     with pytest.raises(ClaimLost):
-        stalled.round([RequestOutput("a", [SeqDelta(0, [9])], finished=True)], [eid], None,
-                      read=False)
+        last = outgoing(RequestOutput("a", [SeqDelta(0, [9])], finished=True))
+        stalled.round([last], [eid], None, read=False)
     written = [decode(f[MSG_FIELD], RequestOutput).seqs[0].token_ids
                for _, f in stalled.redis.xrange(stalled.keys.output("a"))]
     assert written == [[5], [6]]
@@ -89,7 +90,7 @@ def test_a_scheduler_whose_requests_were_taken_over_publishes_nothing_more(redis
     # a new process under the stalled one's name holds the name again
     again = RedisLink(stalled.redis, stalled.keys, "stalled")
     again.hold_claim()
-    again.round([RequestOutput("b", [SeqDelta(0, [1])])], [], None, read=False)
+    again.round([outgoing(RequestOutput("b", [SeqDelta(0, [1])]))], [], None, read=False)
     assert stalled.redis.xlen(stalled.keys.output("b")) == 1
 
 
@@ -99,18 +100,18 @@ def test_a_round_redis_refuses_out_of_memory_or_restarted_is_held_whole(redis_se
     _enqueue(link, "a")
     link.redis.config_set("maxmemory", 1)            # every write that may grow is refused
     try:
-        got = link.round([RequestOutput("x", [SeqDelta(0, [5])])], [], Heartbeat(1.0),
+        got = link.round([outgoing(RequestOutput("x", [SeqDelta(0, [5])]))], [], Heartbeat(1.0),
                          want=8)
         assert got.held == "Redis is out of memory (maxmemory)"
         assert not link.redis.exists(link.keys.output("x"))       # nothing half-written
         assert [r.request_id for _, r in got.requests] == ["a"]   # what it read is taken
     finally:
         link.redis.config_set("maxmemory", 0)
-    got = link.round([RequestOutput("x", [SeqDelta(0, [5])])], [], Heartbeat(1.0))
+    got = link.round([outgoing(RequestOutput("x", [SeqDelta(0, [5])]))], [], Heartbeat(1.0))
     assert got.held is None and link.redis.xlen(link.keys.output("x")) == 1
     # Redis restarted (its scripts gone): the round is held, the next one publishes
     link.redis.script_flush()
-    got = link.round([RequestOutput("x", [SeqDelta(0, [6])])], [], None, read=False)
+    got = link.round([outgoing(RequestOutput("x", [SeqDelta(0, [6])]))], [], None, read=False)
     assert got.held and link.redis.xlen(link.keys.output("x")) == 1
-    got = link.round([RequestOutput("x", [SeqDelta(0, [6])])], [], None, read=False)
+    got = link.round([outgoing(RequestOutput("x", [SeqDelta(0, [6])]))], [], None, read=False)
     assert got.held is None and link.redis.xlen(link.keys.output("x")) == 2
