@@ -5,6 +5,8 @@ restarts the services itself: tests/test_recovery.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +16,7 @@ import pytest
 import redis
 
 from services.scheduler.service import SchedulerServiceConfig
-from shared.redis_keys import MSG_FIELD
+from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD
 from tests.cluster import Cluster
 from tests.conftest import start_redis, stop_process
 
@@ -233,6 +235,46 @@ def test_a_second_scheduler_on_one_executor_stands_by_and_takes_over(cluster):
     assert [o.error for o in outs] == [None] * len(prompts)
     assert [o.text for o in outs] == [ref.text for ref in reference]
     wait_until("sched-b serves", lambda: r.hget(cluster.keys.degraded, "sched-b") is None, 30)
+
+
+def test_a_fenced_scheduler_restarted_as_a_standby_hands_its_requests_to_the_owner(cluster):
+    """sched-a is stopped past its executor lease while it runs requests, sched-b takes the
+    executor over, sched-a wakes up fenced (status 3) before its heartbeat is stale, and is
+    restarted (as `serve` restarts a service): it stands by, beating under its name, so
+    nobody would reclaim what it read. It hands those requests over; sched-b continues
+    them, token-identical."""
+    prompts = [f"Fence test {i}: the lighthouse keeper" for i in range(6)]
+    reference, threads = launch(cluster.base_url, prompts, 32)
+    for t in threads:
+        t.join(timeout=300)
+    cluster.start_scheduler("sched-b")            # stands by: sched-a owns the executor
+    r = redis.Redis.from_url(cluster.redis_url)
+    wait_until("sched-b stands by", lambda: r.hget(cluster.keys.degraded, "sched-b"), 60)
+    outs, threads = launch(cluster.base_url, prompts, 32)
+    wait_until("two requests stream", lambda: sum(o.tokens > 0 for o in outs) >= 2, 120)
+    a = cluster.procs["sched-a"]
+    os.kill(a.pid, signal.SIGSTOP)
+    held = {p["message_id"] for p in r.xpending_range(
+        cluster.keys.requests, CONSUMER_GROUP, "-", "+", 100, consumername="sched-a")}
+    try:
+        assert held, "sched-a held no request: the test proves nothing"
+        # past the 5 s lease: sched-b owns the executor (its standby entry is gone)
+        wait_until("sched-b takes the executor", lambda: r.hget(
+            cluster.keys.degraded, "sched-b") is None, 30)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert a.wait(timeout=30) == 3                # fenced
+    taken = {p["message_id"] for p in r.xpending_range(
+        cluster.keys.requests, CONSUMER_GROUP, "-", "+", 100, consumername="sched-b")}
+    assert held - taken, "sched-b had reclaimed everything already: the test proves nothing"
+    cluster.procs.pop("sched-a")
+    cluster.start_scheduler("sched-a")            # restarted: a standby of the same name
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert [o.error for o in outs] == [None] * len(prompts)
+    assert [o.text for o in outs] == [ref.text for ref in reference]
+    assert b"owned by the live scheduler 'sched-b'" in r.hget(cluster.keys.degraded, "sched-a")
 
 
 def test_an_undecodable_request_entry_is_answered_with_an_error(cluster):

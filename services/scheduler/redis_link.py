@@ -234,6 +234,24 @@ class RedisLink:
             consumers = []
         return dead + [c for c in consumers if c not in beats and c != self.name]
 
+    def release_pending(self) -> int:
+        """Hand the requests this name read and has not acknowledged to a consumer that
+        never beats (`{name}.released`), so that a live scheduler's reclaim (every 5 s, see
+        dead_schedulers) takes them over and continues them from their streams. For a
+        scheduler that runs nothing: one that stands by, or stops fenced. How many."""
+        try:
+            pending = self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, "-", "+",
+                                                10_000, consumername=self.name)
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, f"{self.name}.released",
+                                  0, ids)
+        except redis.ResponseError:          # no group yet: nothing was read
+            return 0
+        except (redis.ConnectionError, redis.TimeoutError):
+            return 0                         # still this name's; the next call hands them
+        return len(ids)
+
     def take_pending(self, name: str) -> Inbound:
         """The requests `name` read and never acknowledged, now this scheduler's (a dead
         consumer is removed from the group and from the heartbeats)."""

@@ -173,6 +173,10 @@ class SchedulerService:
                 log.warning("%s", exc)
                 self.degraded = str(exc)
                 self.beat(force=True)
+                # What an earlier process of this name read (one fenced, then restarted)
+                # goes to the owner: this one beats, so it would never be reclaimed.
+                if self.link.release_pending():
+                    log.warning("standing by: handed this name's unfinished requests over")
                 time.sleep(1.0)
         self.degraded = None
         # NOTE: the hot loop allocates many short-lived objects; long-lived start-up state
@@ -193,10 +197,13 @@ class SchedulerService:
                     self.recovery.recover(plan, str(exc), executor_alive=False)
             except (ExecutorTaken, ClaimLost) as exc:
                 # Another scheduler owns the executor, or took over this one's requests:
-                # publish nothing more. What this one still holds is pending in Redis under
-                # its name; another takes it over once this heartbeat is stale, and
-                # continues each request from its stream.
+                # publish nothing more. What this one still holds is pending in Redis;
+                # another takes it over and continues each request from its stream.
                 log.critical("fenced, stopping without publishing: %s", exc)
+                if isinstance(exc, ExecutorTaken):
+                    # The owner takes them over within its next reclaim (5 s), not only
+                    # once this heartbeat is 10 s old. (ClaimLost: already taken.)
+                    self.link.release_pending()
                 return 3
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
