@@ -78,10 +78,10 @@ class LatencyHistogram:
     """A Prometheus histogram of one label set, observed by the service's loop alone.
 
     The inter-token histogram takes one observation per running sequence per step. The
-    client library's Histogram takes a lock and walks its buckets for each (about 1 µs on
-    the 2-core CPUs of docs/overhead.md, as much as encoding the output); this one bisects
-    into a list of counts. Its exposition has the same buckets, count and sum
-    (tests/scheduler/test_metrics.py), without the `_created` series.
+    client library's Histogram takes a lock and walks its buckets for each; this one
+    bisects into a list of counts (docs/overhead.md, the scheduler's output path). Its
+    exposition has the same buckets, count and sum (tests/scheduler/test_metrics.py),
+    without the `_created` series.
     """
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model: str) -> None:

@@ -69,8 +69,9 @@ class StepOutputs:
     def encoded(self) -> list[Outgoing]:
         """The same RequestOutputs as request_outputs(), encoded for their output streams
         (what the scheduler service publishes). A row is packed from its fields without
-        building its RequestOutput and SeqDelta (a quarter of the CPU per row);
-        tests/scheduler/test_outputs.py holds the bytes equal to encode(request_outputs())."""
+        building its RequestOutput and SeqDelta (docs/overhead.md, the scheduler's output
+        path); tests/scheduler/test_outputs.py holds the bytes equal to
+        encode(request_outputs())."""
         pack = tuple_encoder(RequestOutput)
         outs = [(group.request_id, reason is not None, False, 0 if token is None else 1,
                  # RequestOutput's fields, its one SeqDelta's fields nested.
