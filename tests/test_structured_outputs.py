@@ -197,6 +197,11 @@ def test_a_tool_result_conversation_through_the_sdk(client):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "wat"}}}}, "response_format.json_schema.schema"),
+    # a json_schema object is checked whatever the type (schemathesis found one accepted)
+    ({"response_format": {"type": "text", "json_schema": {"schema": {}, "strict": 1.5}}},
+     "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
     ({"guided_regex": "[0-9"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
     ({"guided_choice": []}, "guided_choice"),

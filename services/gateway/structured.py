@@ -58,24 +58,28 @@ def _response_format(v: Any) -> tuple[str, OutputConstraint] | None:
     """(the parameter that names the constraint, the constraint), or None for text."""
     f = Fields(v, frozenset({"type", "json_schema"}), "response_format.")
     t = f.str("type", None)
+    if t not in ("text", "json_object", "json_schema"):
+        raise bad(f"response_format.type must be text, json_object or json_schema, got {t!r}",
+                  "response_format.type")
+    # A json_schema object is checked whatever the type (the published schema types it so),
+    # and used only by type json_schema.
+    param = "response_format.json_schema.schema"
+    spec = None
+    if t == "json_schema" or f.raw("json_schema") is not None:
+        js = Fields(f.raw("json_schema"), frozenset({"name", "schema", "strict", "description"}),
+                    "response_format.json_schema.")
+        js.str("name", None)
+        js.str("description", None)
+        js.bool("strict", False)
+        schema = js.raw("schema")
+        if schema is None:
+            raise bad(f"{param} is required", param)
+        spec = _spec("json_schema", schema, param)
     if t == "text":
         return None
     if t == "json_object":
         return "response_format", OutputConstraint("json_schema", ANY_OBJECT)
-    if t != "json_schema":
-        raise bad(f"response_format.type must be text, json_object or json_schema, got {t!r}",
-                  "response_format.type")
-    js = Fields(f.raw("json_schema"), frozenset({"name", "schema", "strict", "description"}),
-                "response_format.json_schema.")
-    js.str("name", None)
-    js.str("description", None)
-    js.bool("strict", False)
-    schema = js.raw("schema")
-    if schema is None:
-        raise bad("response_format.json_schema.schema is required",
-                  "response_format.json_schema.schema")
-    param = "response_format.json_schema.schema"
-    return param, _spec("json_schema", schema, param)
+    return param, spec
 
 
 def constraint(body: dict) -> OutputConstraint | None:
