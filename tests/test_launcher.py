@@ -97,11 +97,45 @@ def test_a_port_claimed_by_another_process_is_not_handed_out_until_it_exits():
     assert _reserve(port)                # the claim ended with its process
 
 
+def _commands(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The names of the whole RESP commands at the start of `buf`, and what is left."""
+    names = []
+    while buf.startswith(b"*"):
+        head, sep, rest = buf.partition(b"\r\n")
+        if not sep:
+            break
+        args = []
+        for _ in range(int(head[1:])):
+            size, sep, rest = rest.partition(b"\r\n")
+            if not sep or len(rest) < int(size[1:]) + 2:
+                return names, buf              # the rest of this command has not come yet
+            args.append(rest[:int(size[1:])])
+            rest = rest[int(size[1:]) + 2:]
+        names.append(args[0].upper() if args else b"")
+        buf = rest
+    return names, buf
+
+
 def _old_redis() -> tuple[socket.socket, threading.Thread]:
-    """A server that speaks enough RESP to say it is Redis 6.2 (INFO), and OK to the rest."""
+    """A server that speaks enough RESP to say it is Redis 6.2 (INFO), and OK to the rest:
+    one reply per whole command, however the client's bytes arrive, one thread per client."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen()
+    info = b"# Server\r\nredis_version:6.2.14\r\n"
+
+    def client(conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while chunk := conn.recv(4096):
+                names, buf = _commands(buf + chunk)
+                for name in names:
+                    if name == b"INFO":
+                        conn.sendall(b"$%d\r\n%s\r\n" % (len(info), info))
+                    elif name == b"HELLO":
+                        conn.sendall(b"%1\r\n+proto\r\n:3\r\n")   # RESP3
+                    else:
+                        conn.sendall(b"+OK\r\n")
 
     def serve():
         while True:
@@ -109,20 +143,7 @@ def _old_redis() -> tuple[socket.socket, threading.Thread]:
                 conn, _ = srv.accept()
             except OSError:
                 return
-            with conn:
-                buf = b""
-                while chunk := conn.recv(4096):
-                    buf += chunk
-                    if not buf.endswith(b"\r\n"):
-                        continue
-                    info = b"# Server\r\nredis_version:6.2.14\r\n"
-                    if b"INFO" in buf.upper():
-                        conn.sendall(b"$%d\r\n%s\r\n" % (len(info), info))
-                    elif b"HELLO" in buf.upper():
-                        conn.sendall(b"%1\r\n+proto\r\n:3\r\n")   # RESP3
-                    else:
-                        conn.sendall(b"+OK\r\n")
-                    buf = b""
+            threading.Thread(target=client, args=(conn,), daemon=True).start()
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     return srv, t
