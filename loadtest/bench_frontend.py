@@ -148,8 +148,8 @@ def run_source(args) -> None:
     if outputs or acks:
         now = time.time()
         link.round(outputs, acks, None, read=False)
-        for o in outputs:
-            published[o.request_id].append(now)
+        for rid in rids:
+            published[rid].append(now)
     Path(args.out).write_text(json.dumps({"published": published, "cpu_s": own_cpu_s() - cpu0}))
 
 
