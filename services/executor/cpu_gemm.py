@@ -88,11 +88,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     """oneDNN's matmul over a weight packed once, with the rows padded to onednn_rows.
 
     NOTE: oneDNN (and torch's ideep layer over it) builds and caches a primitive per input
-    shape: 0.5-6 ms to build on an AMX Xeon, and about 0.6 MB each kept in the caches (up
-    to 1,024 shapes each). Unpadded, the row counts of a serving workload (every prompt
-    length) grew the executor's memory without bound and rebuilt a primitive in most
-    prefill steps; padded, a model's projections have at most 80 shapes per weight up to
-    4,096 rows (docs/soak.md measures the memory, docs/executor.md the speed)."""
+    shape, milliseconds to build and memory kept in its caches (up to 1,024 shapes each).
+    Unpadded, the row counts of a serving workload (every prompt length) would grow the
+    executor's memory without bound and rebuild a primitive in most prefill steps; padded,
+    a model's projections have at most 80 shapes per weight up to 4,096 rows (docs/soak.md
+    measures the memory, docs/executor.md the speed)."""
     m = x.shape[0]
     r = onednn_rows(m)
     if r != m:
@@ -227,8 +227,8 @@ def auto_cpu_dtype() -> torch.dtype:
     """What `dtype="auto"` runs on a CPU: bf16 where it is native and measured faster than
     fp32 end to end (docs/executor.md, loadtest/bench_executor.py), fp32 elsewhere:
 
-      * AMX (Intel Sapphire Rapids and later): bf16 1.7-2.0x fp32;
-      * AVX-512 bf16 without AMX on AMD (Zen 4, Zen 5): bf16 1.3-1.45x fp32;
+      * AMX (Intel Sapphire Rapids and later): bf16 1.88x fp32 end to end;
+      * AVX-512 bf16 without AMX on AMD (Zen 4, Zen 5): bf16 1.48x fp32 end to end on a Zen 4;
       * AVX-512 bf16 without AMX on Intel: oneDNN's bf16 GEMM runs at about half the fp32
         rate, so fp32; as on every CPU without bf16 instructions.
 

@@ -1,9 +1,9 @@
 """CUDA graphs of the decode forward: one per padded batch size, replayed each decode step.
 
-A decode step of a small model is bound by the host, not the GPU: on an H200, SmolLM2's
-30 layers launch about 850 kernels per step, which costs ~30 ms of Python and launch
-overhead against ~2 ms of GPU work (loadtest/profile_step.py, docs/executor.md). A graph
-replays all of them with one launch.
+A decode step of a small model is bound by the host, not the GPU: SmolLM2's 30 layers
+launch several hundred kernels per step, and their Python and launch overhead outlasts the
+GPU's work (loadtest/profile_step.py shows the split; docs/executor.md). A graph replays
+all of them with one launch.
 
 A graph fixes every tensor address and shape, so the inputs live in static buffers sized
 for the largest batch, and each step copies its values in:
