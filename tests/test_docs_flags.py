@@ -26,8 +26,7 @@ NOT_IN_COMPOSE = {
     "PAGEDSERVE_STARTUP_TIMEOUT": "`serve` only; compose waits on healthchecks",
 }
 # Shared flags a service takes (one command line for all) but does not use (README says so).
-UNUSED = {("executor", "REDIS_URL"), ("executor", "PAGEDSERVE_REDIS_PREFIX"),
-          ("scheduler", "PAGEDSERVE_MODEL")}
+UNUSED = {("executor", "REDIS_URL"), ("executor", "PAGEDSERVE_REDIS_PREFIX")}
 
 
 def _help(command: str) -> dict[str, tuple[str, str | None]]:
