@@ -1,7 +1,9 @@
 """Plot decode throughput by batch size from several bench_executor.py --json outputs.
 
-    python loadtest/plot_decode.py docs/gpu/bench_executor_graphs_bf16.json:"CUDA graphs" \
-        docs/gpu/bench_executor_eager_bf16.json:eager --out docs/gpu_decode.png
+    python loadtest/plot_decode.py OUT/bench_executor_gpu.json:"CUDA graphs" \
+        OUT/bench_executor_gpu_eager.json:eager --out docs/gpu_decode.png
+
+(OUT: the folder `loadtest/gpu_checks.sh OUT executor_bench_bf16 executor_eager` wrote.)
 """
 from __future__ import annotations
 
