@@ -123,20 +123,22 @@ def test_a_gemm_whose_rows_depend_on_the_row_count_is_not_correct(monkeypatch):
     assert not cpu_gemm.gemm_correct("avx512")
 
 
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536)], ids=["up", "down"])
 @pytest.mark.parametrize("gemm", ["avx512", "mkl", "onednn"])
-def test_every_packed_gemm_gives_a_row_the_same_bits_alone_and_in_a_batch(gemm):
-    """Through the executor's own Linear, on a SmolLM2-sized projection (where MKL's one-row
-    kernel rounds otherwise than its GEMM): row i of a product of M rows is bit-identical for
-    every M, so a sequence's logits do not depend on who else is in the step."""
+def test_every_packed_gemm_gives_a_row_the_same_bits_alone_and_in_a_batch(gemm, shape):
+    """Through the executor's own Linear, on SmolLM2's up and down projections (where MKL's
+    one-row kernel, and oneDNN's over the down projection's 1,536-long reduction, round
+    otherwise than their GEMMs): row i of a product of M rows is bit-identical for every M,
+    so a sequence's logits do not depend on who else is in the step."""
     from services.executor import cpu_gemm
     from services.executor.llama import Linear
 
     if not cpu_gemm.gemm_available(gemm):
         pytest.skip(f"{gemm} is not available in this torch build / CPU")
     g = torch.Generator().manual_seed(3)
-    lin = Linear(torch.randn(1536, 576, generator=g))
+    lin = Linear(torch.randn(*shape, generator=g) / shape[1] ** 0.5)
     lin.packed, lin.gemm = cpu_gemm.packed_gemm(gemm, lin.weight)[0], gemm
-    x = torch.randn(64, 576, generator=g)
+    x = torch.randn(64, shape[1], generator=g)
     full = lin(x)
     for m in (1, 2, 3, 17, 63):
         assert torch.equal(lin(x[:m]), full[:m]), f"{gemm}: rows differ at M={m}"
