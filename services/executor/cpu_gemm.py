@@ -22,7 +22,6 @@ import logging
 import os
 import statistics
 import time
-import weakref
 from typing import Callable
 
 import torch
@@ -40,18 +39,26 @@ FP32_GEMMS = ("avx512", "mkl", "onednn")
 EVICT_BYTES = 256 << 20
 
 
+def pack_weight(gemm: str, w: torch.Tensor) -> torch.Tensor:
+    """`w` packed once for one packed fp32 GEMM's calls."""
+    if gemm == "avx512":
+        return cpu_kernels.pack_linear(w)
+    if gemm == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
 def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """(packed weight, run) of one packed fp32 GEMM; run(x) = x W^T + b. (Linear.__call__
     in llama.py makes the same calls on its hot path, without the closure.)"""
+    packed = pack_weight(gemm, w)
     if gemm == "avx512":
-        packed = cpu_kernels.pack_linear(w)
         return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
     if gemm == "mkl":
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
         return packed, lambda x: mkl_linear(x, packed, w, b)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return packed, lambda x: onednn_linear(x, packed, b)
+    pad = onednn_pads_one_row(packed, w.shape[1], w.dtype, b)
+    return packed, lambda x: onednn_linear(x, packed, b, pad)
 
 
 # NOTE: MKL runs a small row count with other kernels than its blocked GEMM (one row as a
@@ -84,31 +91,25 @@ def onednn_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-# NOTE: oneDNN multiplies a single fp32 row with another kernel than two or more once the
-# reduction is long (over 1,024 on an AMD EPYC Zen 4: SmolLM2's down projection, not its
-# other projections), and the sums round differently. Which weights do is found once per
-# weight by multiplying one row and two; those run a single row padded to two, so that the
-# row gets the bits it gets in any batch. A packed oneDNN weight has no storage address:
-# the key is the tensor object, held weakly.
-_ONE_ROW_DIFFERS: dict[int, tuple[weakref.ref, bool]] = {}
+def onednn_pads_one_row(packed: torch.Tensor, k: int, dtype: torch.dtype,
+                        b: torch.Tensor | None = None) -> bool:
+    """Whether a single row must run padded to two on this packed weight (decided once, when
+    the weight is packed).
 
-
-def _one_row_differs(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> bool:
-    seen = _ONE_ROW_DIFFERS.get(id(packed))
-    if seen is not None and seen[0]() is packed:
-        return seen[1]
-    probe = torch.randn(2, x.shape[1], generator=torch.Generator().manual_seed(0)).to(x.dtype)
+    NOTE: oneDNN multiplies a single fp32 row with another kernel than two or more once the
+    reduction is long (over 1,024 on an AMD EPYC Zen 4: SmolLM2's down projection, not its
+    other projections), and the sums round differently; padded to two, the row gets the
+    bits it gets in any batch. One row and two are multiplied here and compared."""
+    probe = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(dtype)
     two = torch.ops.mkldnn._linear_pointwise(probe, packed, b, "none", [], "")
     one = torch.ops.mkldnn._linear_pointwise(probe[:1], packed, b, "none", [], "")
-    differs = not torch.equal(one, two[:1])
-    _ONE_ROW_DIFFERS[id(packed)] = (weakref.ref(packed), differs)
-    return differs
+    return not torch.equal(one, two[:1])
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
-                  b: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None,
+                  pad_one_row: bool = False) -> torch.Tensor:
     """oneDNN's matmul over a weight packed once, with the rows padded to onednn_rows (and a
-    single row to two where oneDNN rounds one row otherwise, `_one_row_differs`).
+    single row to two where `onednn_pads_one_row` said so for this weight).
 
     NOTE: oneDNN (and torch's ideep layer over it) builds and caches a primitive per input
     shape, milliseconds to build and memory kept in its caches (up to 1,024 shapes each).
@@ -117,9 +118,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     a model's projections have at most 80 shapes per weight up to 4,096 rows (docs/soak.md
     measures the memory, docs/executor.md the speed)."""
     m = x.shape[0]
-    r = onednn_rows(m)
-    if m == 1 and _one_row_differs(x, packed, b):
-        r = 2
+    r = 2 if m == 1 and pad_one_row else onednn_rows(m)
     if r != m:
         padded = x.new_zeros(r, x.shape[1])
         padded[:m] = x

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from services.executor import cpu_kernels
 from services.executor.attention import AttentionMetadata, paged_attention, write_kv
 from services.executor import cpu_gemm
-from services.executor.cpu_gemm import packed_gemm, pick_fp32_gemm
+from services.executor.cpu_gemm import pick_fp32_gemm
 from services.executor.parallel import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -138,12 +138,22 @@ class Linear:
 
     `gemm` names the library of the packed weight: "avx512" (cpu_kernels.c), "mkl" or
     "onednn" (fp32 and bf16); None while the weight is not packed. `glu`: a [gate | up]
-    weight packed for `swiglu` only (the AVX-512 GEMM applies silu(gate) * up itself)."""
+    weight packed for `swiglu` only (the AVX-512 GEMM applies silu(gate) * up itself).
+    `pad_one_row`: oneDNN runs a single row of this weight as two
+    (`cpu_gemm.onednn_pads_one_row`)."""
 
-    __slots__ = ("weight", "bias", "packed", "gemm", "glu")
+    __slots__ = ("weight", "bias", "packed", "gemm", "glu", "pad_one_row")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
         self.weight, self.bias, self.packed, self.gemm, self.glu = weight, bias, None, None, False
+        self.pad_one_row = False
+
+    def set_packed(self, packed: torch.Tensor, gemm: str, glu: bool = False) -> None:
+        """Use `packed` (this weight packed for `gemm`) from now on; call while `weight` is
+        still the real one."""
+        self.packed, self.gemm, self.glu = packed, gemm, glu
+        self.pad_one_row = gemm == "onednn" and cpu_gemm.onednn_pads_one_row(
+            packed, self.weight.shape[1], self.weight.dtype, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -152,7 +162,7 @@ class Linear:
             return cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         if self.gemm == "mkl":
             return cpu_gemm.mkl_linear(x, self.packed, self.weight, self.bias)
-        return cpu_gemm.onednn_linear(x, self.packed, self.bias)
+        return cpu_gemm.onednn_linear(x, self.packed, self.bias, self.pad_one_row)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of this [gate | up] weight, in the GEMM (needs `glu`)."""
@@ -308,7 +318,7 @@ class LlamaModel:
             gemm = pick_fp32_gemm(sample)
             if gemm is None:
                 return False
-            pack = lambda w: packed_gemm(gemm, w)[0]  # noqa: E731
+            pack = lambda w: cpu_gemm.pack_weight(gemm, w)  # noqa: E731
         elif self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             gemm, pack = "onednn", torch.ops.mkldnn._reorder_linear_weight
         else:
@@ -324,7 +334,7 @@ class LlamaModel:
             return False
         for lin, p in zip(self.linears(), packed):
             w = lin.weight
-            lin.packed, lin.gemm, lin.glu = p, gemm, id(lin) in glu
+            lin.set_packed(p, gemm, id(lin) in glu)
             if lin.weight is not self.embed:
                 lin.weight = torch.zeros((), dtype=w.dtype).expand(w.shape)
         return True

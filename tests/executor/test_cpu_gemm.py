@@ -137,7 +137,7 @@ def test_every_packed_gemm_gives_a_row_the_same_bits_alone_and_in_a_batch(gemm, 
         pytest.skip(f"{gemm} is not available in this torch build / CPU")
     g = torch.Generator().manual_seed(3)
     lin = Linear(torch.randn(*shape, generator=g) / shape[1] ** 0.5)
-    lin.packed, lin.gemm = cpu_gemm.packed_gemm(gemm, lin.weight)[0], gemm
+    lin.set_packed(cpu_gemm.pack_weight(gemm, lin.weight), gemm)
     x = torch.randn(64, shape[1], generator=g)
     full = lin(x)
     for m in (1, 2, 3, 17, 63):
