@@ -134,7 +134,7 @@ class Recovery:
         if plan is not None:
             svc.emit(self._fail_culprits(plan, reason))
         svc.flush_outputs()
-        svc.close_sockets()
+        svc.executors.close()
         while not svc.stopping:
             try:
                 with beating(svc):

@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 import redis
-import zmq
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.executor_link import ExecutorLink
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import Outgoing, outgoing, result_error
 from services.scheduler.recovery import ExecutorLost, ExecutorTaken, Ownership, Recovery
@@ -44,7 +44,7 @@ from shared.control import ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
-from shared.wire import MAX_MESSAGE_BYTES, decode, encode, oversized
+from shared.wire import encode, oversized
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -93,7 +93,7 @@ class SchedulerService:
                                                    socket_connect_timeout=5),
                               RedisKeys(config.redis_prefix), config.name)
         self.executor = ExecutorClient(config.executor)
-        self.zmq = zmq.Context.instance()
+        self.executors = ExecutorLink()
         self.sched: Scheduler | None = None
         self.metrics: SchedulerMetrics | None = None
         # Unfinished admitted requests (their groups outlive a core rebuilt after a crash).
@@ -139,27 +139,10 @@ class SchedulerService:
                 from prometheus_client import start_http_server
                 start_http_server(self.config.metrics_port, addr=self.config.metrics_host,
                                   registry=self.metrics.registry)
-        self.close_sockets()
-        for ep in info.plan_endpoints:
-            s = self.zmq.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(ep)
-            self.plan_socks.append(s)
-        self.result_sock = self.zmq.socket(zmq.DEALER)
-        self.result_sock.setsockopt(zmq.LINGER, 0)
-        self.result_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.result_sock.setsockopt(zmq.IDENTITY,
-                                    owner_identity(self.config.name, self.owner.fence))
-        self.result_sock.connect(info.result_endpoint)
+        self.executors.connect(info.plan_endpoints, info.result_endpoint,
+                               owner_identity(self.config.name, self.owner.fence))
         log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
                  info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
-
-    def close_sockets(self) -> None:
-        """Close the data-plane sockets (they would reconnect to whatever binds there)."""
-        for sock in getattr(self, "plan_socks", []) + [getattr(self, "result_sock", None)]:
-            if sock is not None:
-                sock.close()
-        self.plan_socks, self.result_sock = [], None
 
     # ------------------------------------------------------------ main loop
     def serve(self) -> int:
@@ -250,8 +233,7 @@ class SchedulerService:
             self.publish(self.sched.fail_unsent(plan, too_big).encoded())
             self._apply_inbox()
             return
-        for sock in self.plan_socks:
-            sock.send(data, copy=False)
+        self.executors.send(data)
         self._redis_round(block_ms=0)
         result = self._recv_result(plan)
         error = result_error(plan, result)
@@ -280,8 +262,8 @@ class SchedulerService:
         deadline = time.monotonic() + self.config.step_timeout_s
         read_at = time.monotonic() + READ_DURING_STEP_S
         while True:
-            if self.result_sock.poll(int(READ_DURING_STEP_S * 1000)):
-                result = decode(self.result_sock.recv(), StepResult)
+            result = self.executors.recv(int(READ_DURING_STEP_S * 1000))
+            if result is not None:
                 self.owner.heard()
                 if result.step_id == plan.step_id:
                     return result
