@@ -6,7 +6,8 @@ by forked samples (ref count > 1), swapped out to the CPU pool, and free again. 
 stack has two scheduler replicas, one of them driving a tensor-parallel executor group, on a
 tiny random model. What the tests read is the page's own data (`window.__pagedserve.counts`,
 computed by the page from the snapshots it received), never Redis or the scheduler directly.
-The screenshots they take are the ones in docs/.
+The screenshots they take go to a temporary folder; with PAGEDSERVE_DOCS_SCREENSHOTS=1 they
+replace the ones in docs/ (a test run leaves the checkout as it found it).
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ from tests.conftest import REPO, free_port, free_ports, start_stack, stop_proces
 
 KEY = "dash-test-key"
 DOCS = os.path.join(REPO, "docs")
+
+
+@pytest.fixture
+def shots(tmp_path) -> str:
+    """Where the screenshots go: docs/ when asked (see above), else a temporary folder."""
+    return DOCS if os.environ.get("PAGEDSERVE_DOCS_SCREENSHOTS") == "1" else str(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +178,7 @@ def test_dashboard_needs_the_key_like_v1(small_stack):
     assert "http://" not in html and "https://" not in html and "<canvas" in html
 
 
-def test_block_map_shows_sharing_swap_and_release(small_stack, browser):
+def test_block_map_shows_sharing_swap_and_release(small_stack, browser, shots):
     base = small_stack.base_url
     prefix = RedisKeys(f"t{small_stack.ports['http']}")
     r = redis.Redis.from_url(small_stack.redis_url)
@@ -207,7 +214,7 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser):
     assert "in use, ref count" in text and "mapped by" in text, text
     ref = int(text.split("ref count ")[1].split(",")[0])
     assert ref > 1 and text.count("(seq ") == ref, text
-    browser.screenshot(os.path.join(DOCS, "dashboard.png"))
+    browser.screenshot(os.path.join(shots, "dashboard.png"))
     for t in threads:
         t.join(300)
     # the live page shows the release (a page that stopped following the stream never
@@ -224,7 +231,7 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser):
                         "'#requests tr[data-status=swapped]'); tr && tr.click(); return !!tr; })()"):
         title = browser.evaluate("document.getElementById('table-title').textContent")
         assert "(swapped)" in title, title
-    browser.screenshot(os.path.join(DOCS, "dashboard-swap.png"))
+    browser.screenshot(os.path.join(shots, "dashboard-swap.png"))
     for t in threads:
         t.join(300)
     _wait(browser, "c.gpuUsed === 0 && c.cpuUsed === 0", 2.0)
@@ -234,7 +241,7 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser):
 
 
 def test_the_picked_replica_shows_its_own_pool_and_a_tensor_parallel_group_one_map(
-        two_replicas, browser):
+        two_replicas, browser, shots):
     c = two_replicas
     info = ExecutorClient(f"127.0.0.1:{c.executors['exec-a'][0]}").describe()
     assert info.tensor_parallel_size == 2 and len(info.plan_endpoints) == 2
@@ -279,7 +286,7 @@ def test_the_picked_replica_shows_its_own_pool_and_a_tensor_parallel_group_one_m
             assert f"GPU block {table[0]}: in use, ref count 1" in text, text
             assert f"mapped by {running[0]}" in text, text
             if tp == 2:
-                browser.screenshot(os.path.join(DOCS, "dashboard-replicas.png"))
+                browser.screenshot(os.path.join(shots, "dashboard-replicas.png"))
         # each replica shows the requests it holds, none of the other's
         assert not shown["sched-a"] & shown["sched-b"], shown
     finally:
