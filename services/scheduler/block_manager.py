@@ -23,6 +23,7 @@ builder's business (services/scheduler/plan.py).
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import Callable, Iterable
 
 from services.scheduler.block_pool import NO_PARENT, BlockPool, CpuBlockPool, hash_block_tokens
@@ -183,6 +184,51 @@ class BlockManager:
             for k in range(j, last + 1):
                 gpu.fill(table[k], bs if k < last else end - k * bs)
         return copies
+
+    def decode_slots(self, running: list[SequenceGroup], start: int, limit: int
+                     ) -> list[Sequence]:
+        """The bulk of a step, in one pass: from running[start] on, at most `limit` groups
+        that are one seq with one token to compute, each writing into a block it maps alone
+        or opening a fresh one, get that slot (allocate_slots(seq, 1), no copy-on-write),
+        and a block the step fills goes into the prefix cache (cache_computed_blocks: its
+        earlier blocks are in already, or the seq's chain is broken). Returns their seqs;
+        the group after them, if any, takes allocate_slots' way."""
+        bs = self.block_size
+        gpu = self.gpu
+        ref_count = gpu.ref_count
+        num_tokens = gpu.num_tokens
+        served: list[Sequence] = []
+        filled = 0
+        for group in islice(running, start, start + limit):
+            seqs = group.seqs
+            if len(seqs) != 1:
+                break
+            seq = seqs[0]
+            c = seq.num_computed_tokens
+            if len(seq.token_ids) - c != 1:
+                break
+            table = seq.block_table
+            j = c // bs
+            if j < len(table):
+                b = table[j]
+                if ref_count[b] != 1:
+                    break                      # shared: the write copies it first
+                n = c % bs + 1
+                if n > num_tokens[b]:
+                    filled += n - num_tokens[b]
+                    num_tokens[b] = n
+            elif self.grows_on_demand and gpu.free.num_free:
+                b = gpu.allocate()
+                table.append(b)
+                n = num_tokens[b] = 1
+                filled += 1
+            else:
+                break
+            if n == bs:                        # the step fills the block
+                self.cache_computed_blocks(seq, c + 1)
+            served.append(seq)
+        gpu.num_filled_slots += filled
+        return served
 
     def fork(self, parent: Sequence, child: Sequence) -> list[list[int]]:
         """`child` continues from `parent`'s computed tokens, mapping the same blocks: no data
@@ -355,12 +401,15 @@ class BlockManager:
         tokens = seq.token_ids
         while j < n_full:
             b = table[j]
-            if not gpu.is_registered(b) or gpu.block_hash[b] != hashes[j]:
+            h = gpu.block_hash[b]
+            if h is None:                       # not in the cache yet: register it
                 parent = gpu.identity(table[j - 1]) if j else NO_PARENT
-                if gpu.block_hash[b] is not None or not gpu.register(
-                        b, hashes[j], tuple(tokens[j * bs:(j + 1) * bs]), parent):
+                if not gpu.register(b, hashes[j], tuple(tokens[j * bs:(j + 1) * bs]), parent):
                     seq.cache_chain_broken = True
                     break
+            elif h != hashes[j] or gpu.cached.get(h) != b:      # it holds another prefix
+                seq.cache_chain_broken = True
+                break
             j += 1
         seq.num_cached_blocks = j
 

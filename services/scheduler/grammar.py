@@ -3,7 +3,7 @@
 The scheduler sees every sampled token of every sequence, so it owns each constrained
 sequence's matcher: when a plan is built, `fill_masks` gives every constrained sampling
 row its bitmask of allowed next tokens (plan.add_bitmasks ships them in the StepPlan);
-after the step, the sampled token is consumed (outputs.append_token). A matcher tracks the
+after the step, the sampled token is consumed (outputs.apply_result). A matcher tracks the
 output tokens, not the KV cache, so it stays valid through swap and recompute preemption;
 each of n samples has its own.
 

@@ -1,14 +1,14 @@
 """Applying a step's result: sampled tokens, the finish rules, beam steps, the step's news.
 
-    StepResult ──▶ apply_result ──▶ per sampling row: append_token (finish rules) ─▶ delta
+    StepResult ──▶ apply_result ──▶ per sampling row: the finish rules ─▶ a row (delta)
                                     per beam group:   beam_step (select, fork, free)
                                ──▶ StepOutputs: a row per single-sequence request that
                                     sampled, whole RequestOutputs for the rest
 
 The result is positional: token r answers row r of the plan (shared/messages.py, StepPlan),
-so nothing is looked up by id. The finish rules live in `append_token` only: a stop token
-(once min_tokens are out) ends a seq without joining its tokens; reaching max_tokens or
-max_model_len ends it "length".
+so nothing is looked up by id. The finish rules live in apply_result's row loop only: a stop
+token (once min_tokens are out) ends a seq without joining its tokens; reaching max_tokens
+or max_model_len ends it "length".
 """
 from __future__ import annotations
 
@@ -99,34 +99,6 @@ def outgoing(out: RequestOutput) -> Outgoing:
             sum(len(s.token_ids) for s in out.seqs), encode(out))
 
 
-def append_token(seq: Sequence, group: SequenceGroup, token: int, logprob: float,
-                 top: list) -> tuple:
-    """Apply one sampled token to `seq` under the finish rules; returns its row of the
-    step's news (StepOutputs), with finish_reason set, and seq.finish_reason too, when it
-    ends the seq."""
-    cum = seq.cumulative_logprob = seq.cumulative_logprob + logprob
-    tokens = seq.token_ids
-    if token in group.stop_ids and len(tokens) >= group.min_len:
-        seq.finish_reason = "stop"
-        seq.stop_token_id = token
-        # The stop token's own logprob rides along when logprobs are asked (clients such as
-        # lm-eval score it, and vLLM reports it); the token itself stays out of token_ids.
-        stop_lp = (_NO_LOGPROBS if seq.logprobs is None else
-                   [TokenLogprob(token, logprob, top[:group.sampling.logprobs])])
-        return (group, seq.sample_index, None, stop_lp, "stop", token, cum)
-    tokens.append(token)
-    reason = None if seq.matcher is None else consume(seq, token)
-    if reason is None and len(tokens) >= group.max_len:
-        reason = "length"
-    if reason is not None:
-        seq.finish_reason = reason
-    if seq.logprobs is None:
-        return (group, seq.sample_index, token, _NO_LOGPROBS, reason, None, cum)
-    lp = TokenLogprob(token, logprob, top[:group.sampling.logprobs])
-    seq.logprobs.append(lp)
-    return (group, seq.sample_index, token, [lp], reason, None, cum)
-
-
 def seq_delta(row: tuple) -> SeqDelta:
     """The SeqDelta of a row of the step's news (see StepOutputs)."""
     _, index, token, logprobs, reason, stop_token_id, cum = row
@@ -206,7 +178,7 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
     any_finished = False
     tops = result.top if result.top else repeat(_NO_TOP)
     for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, tops):
-        if seq.status != RUNNING:            # aborted or finished while in flight
+        if seq.status is not RUNNING:      # aborted or finished while in flight
             num_skipped += 1
             continue
         c = seq.num_computed_tokens
@@ -218,7 +190,33 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
         if group.is_beam:
             beam_steps.setdefault(group.request_id, []).append((seq, top))
             continue
-        row = append_token(seq, group, token, logprob, top)
+        # The finish rules: a stop token (once min_tokens are out) ends the seq without
+        # joining its tokens; reaching max_tokens or max_model_len ends it "length".
+        tokens = seq.token_ids
+        cum = seq.cumulative_logprob = seq.cumulative_logprob + logprob
+        if token in group.stop_ids and len(tokens) >= group.min_len:
+            seq.finish_reason = reason = "stop"
+            seq.stop_token_id = token
+            # The stop token's own logprob rides along when logprobs are asked (clients
+            # such as lm-eval score it, and vLLM reports it); the token stays out of
+            # token_ids.
+            lps = (_NO_LOGPROBS if seq.logprobs is None else
+                   [TokenLogprob(token, logprob, top[:group.sampling.logprobs])])
+            row = (group, seq.sample_index, None, lps, reason, token, cum)
+        else:
+            tokens.append(token)
+            reason = None if seq.matcher is None else consume(seq, token)
+            if reason is None and len(tokens) >= group.max_len:
+                reason = "length"
+            if reason is not None:
+                seq.finish_reason = reason
+            if seq.logprobs is None:
+                lps = _NO_LOGPROBS
+            else:
+                lp = TokenLogprob(token, logprob, top[:group.sampling.logprobs])
+                seq.logprobs.append(lp)
+                lps = [lp]
+            row = (group, seq.sample_index, token, lps, reason, None, cum)
         if group.max_num_seqs == 1 and group.first_output_sent:
             rows.append(row)
             out = None
@@ -228,7 +226,7 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
                 out = grouped[group.request_id] = request_output(group, [])
                 outs.append(out)
             out.seqs.append(seq_delta(row))
-        if row[4] is not None:                   # its finish reason
+        if reason is not None:
             core.release_seq(seq)
             group.seqs.remove(seq)
             if not group.seqs:

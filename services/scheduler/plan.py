@@ -8,9 +8,10 @@ drops it, so a plan carries only what changed. Each `Sequence` mirrors their cop
     num_blocks_synced   leading entries of their table equal to ours (a copy-on-write or a
                         swap-in replaces entries: from there on, theirs are stale)
 
-`add` is the one way a sequence enters a step, whatever path scheduled it: it registers the
-blocks the step fills in the prefix cache, writes the sequence's row (its diffs against the
-mirror) and moves the mirror forward. Rows go in the order the executors run them
+`add` (any sequence) and `add_decodes` (sequences with one token to compute, the bulk of a
+step) are the ways a sequence enters a step, whatever path scheduled it: they register the
+blocks the step fills in the prefix cache, write the sequence's row (its diffs against the
+mirror) and move the mirror forward; `add` hands a decode to `add_decodes`. Rows go in the order the executors run them
 (shared/messages.py, StepPlan): decodes that sample, then other rows that sample, then
 prefill chunks that stop short of their sequence's end.
 """
@@ -41,21 +42,28 @@ def drop_from_executors(seq: Sequence, finished_seq_ids: list[int]) -> None:
 class PlanBuilder:
     """One step's plan, built as sequences are scheduled; `budget` is the tokens left."""
 
-    __slots__ = ("block_manager", "block_size", "budget", "decode_rows", "decode_tokens",
+    __slots__ = ("block_manager", "block_size", "budget", "steady_seqs", "steady_ids",
+                 "steady_computed", "steady_tokens", "decode_rows", "decode_tokens",
                  "other_rows", "new_seqs", "swap_out", "swap_in", "copy", "finished_seq_ids",
                  "swapped_out_seqs", "constrained")
 
-    def __init__(self, block_manager: BlockManager, budget: int,
-                 finished_seq_ids: list[int]) -> None:
+    def __init__(self, block_manager: BlockManager, budget: int, finished_seq_ids: list[int],
+                 constrained: bool = False) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.budget = budget
-        # Rows as tuples, turned into the plan's columns by build() (one C-level transpose
-        # instead of six list appends per row):
+        # Steady decodes (the bulk of a step) go straight into three columns; the columns
+        # they share with no other row (one token, one appended, table unchanged) are made
+        # whole by build(). Other rows are tuples, turned into columns by build() (one
+        # C-level transpose instead of one list append per column per row):
         #   decode_rows  (seq, seq_id, computed, num_append, keep, blocks): one token, sampled;
-        #                their appended tokens go straight into decode_tokens (row order)
+        #                their appended tokens go to decode_tokens after the steady ones'
         #   other_rows   (samples, seq, seq_id, computed, tokens, num_append, keep, blocks,
         #                 appended tokens)
+        self.steady_seqs: list[Sequence] = []
+        self.steady_ids: list[int] = []
+        self.steady_computed: list[int] = []
+        self.steady_tokens: list[int] = []
         self.decode_rows: list[tuple] = []
         self.decode_tokens: list[int] = []
         self.other_rows: list[tuple] = []
@@ -65,12 +73,13 @@ class PlanBuilder:
         self.copy: list[list[int]] = []
         self.finished_seq_ids = finished_seq_ids
         self.swapped_out_seqs: list[Sequence] = []   # their KV moves in this step
-        self.constrained = False     # a row's seq follows a grammar (its bitmask ships)
+        # A request that follows a grammar is running: the rows' bitmasks are looked for.
+        self.constrained = constrained
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decode_rows or self.other_rows or self.swap_out or self.swap_in
-                    or self.copy)
+        return not (self.steady_seqs or self.decode_rows or self.other_rows or self.swap_out
+                    or self.swap_in or self.copy)
 
     def add(self, seq: Sequence, num_tokens: int, copies: list[list[int]]) -> None:
         """Put `seq` into the step with `num_tokens` tokens; its slots are allocated and
@@ -81,45 +90,71 @@ class PlanBuilder:
         BlockManager.cache_computed_blocks).
         """
         c = seq.num_computed_tokens
-        bs = self.block_size
         if copies:
             self.copy.extend(copies)
             # The copy replaced table entry c // block_size: theirs is stale from there.
-            if seq.num_blocks_synced > c // bs:
-                seq.num_blocks_synced = c // bs
+            if seq.num_blocks_synced > c // self.block_size:
+                seq.num_blocks_synced = c // self.block_size
+        tokens = seq.token_ids
+        end = c + num_tokens
+        if end // self.block_size > seq.num_cached_blocks:
+            self.block_manager.cache_computed_blocks(seq, end)
+        if num_tokens == 1 and end == len(tokens):
+            self.add_decodes([seq])
+            return
         seq.num_scheduled_tokens = num_tokens
         self.budget -= num_tokens
-        end = c + num_tokens
-        if end // bs > seq.num_cached_blocks:
-            self.block_manager.cache_computed_blocks(seq, end)
-        if seq.matcher is not None:
-            self.constrained = True
+        sent, keep, blocks = self._sync(seq)
+        self.other_rows.append((end == len(tokens), seq, seq.seq_id, c, num_tokens,
+                                len(tokens) - sent, keep, blocks,
+                                tokens[sent:] if sent < len(tokens) else _NO_TOKENS))
+
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """add(seq, 1, no copies) for each seq: one token, its last, whose slot is allocated
+        and whose full blocks are in the prefix cache (BlockManager.decode_slots, or add).
+        The bulk of every step: a steady decode (the executors hold every token but the one
+        sampled last, and the same block table) is written without the general diff."""
+        steady_seqs = self.steady_seqs
+        steady_ids = self.steady_ids
+        steady_computed = self.steady_computed
+        steady_tokens = self.steady_tokens
+        for seq in seqs:
+            c = seq.num_computed_tokens
+            end = c + 1
+            seq.num_scheduled_tokens = 1
+            sent = seq.num_tokens_sent
+            synced = seq.num_blocks_synced
+            if sent == c and synced == len(seq.block_table) == seq.num_blocks_sent:
+                seq.num_tokens_sent = end
+                steady_seqs.append(seq)
+                steady_ids.append(seq.seq_id)
+                steady_computed.append(c)
+                steady_tokens.append(seq.token_ids[c])
+            else:
+                sent, keep, blocks = self._sync(seq)
+                self.decode_tokens += seq.token_ids[sent:]
+                self.decode_rows.append((seq, seq.seq_id, c, end - sent, keep, blocks))
+        self.budget -= len(seqs)
+
+    def _sync(self, seq: Sequence) -> tuple[int, int, list[int]]:
+        """Move the mirror of `seq` to its tokens and table. Returns (tokens the executors
+        held, the row's keep, the row's blocks); a seq they do not know goes whole into
+        new_seqs, with nothing to append."""
         tokens = seq.token_ids
         table = seq.block_table
         sent = seq.num_tokens_sent
-        n = len(tokens)
-        num_blocks = len(table)
         if sent < 0:
             g = seq.group
             self.new_seqs.append(NewSeq(seq.seq_id, g.request_id, list(tokens), seq.prompt_len,
                                         list(table), g.sampling, seq.sample_index))
-            sent, keep, blocks = n, -1, _NO_BLOCKS
+            sent, keep, blocks = len(tokens), -1, _NO_BLOCKS
         else:
             synced = seq.num_blocks_synced
             keep = -1 if synced == seq.num_blocks_sent else synced
-            blocks = table[synced:] if synced < num_blocks else _NO_BLOCKS
-        seq.num_tokens_sent = n
-        seq.num_blocks_sent = seq.num_blocks_synced = num_blocks
-        num_append = n - sent
-        if end == n and num_tokens == 1:
-            if num_append == 1:                     # a steady decode: no slice to build
-                self.decode_tokens.append(tokens[sent])
-            elif num_append:
-                self.decode_tokens += tokens[sent:]
-            self.decode_rows.append((seq, seq.seq_id, c, num_append, keep, blocks))
-        else:
-            self.other_rows.append((end == n, seq, seq.seq_id, c, num_tokens, num_append, keep,
-                                    blocks, tokens[sent:] if num_append else _NO_TOKENS))
+            blocks = table[synced:] if synced < len(table) else _NO_BLOCKS
+        seq.num_tokens_sent = len(tokens)
+        seq.num_blocks_sent = seq.num_blocks_synced = len(table)
+        return sent, keep, blocks
 
     def add_swap_out(self, seqs: list[Sequence], pairs: list[list[int]]) -> None:
         self.swap_out.extend(pairs)
@@ -133,11 +168,19 @@ class PlanBuilder:
 
     def build(self, step_id: int) -> tuple[StepPlan, list[Sequence]]:
         """The plan, rows in the executors' order, and the Sequence of each row."""
+        seqs = self.steady_seqs
+        seq_ids = self.steady_ids
+        computed = self.steady_computed
+        appended = self.steady_tokens
+        k = len(seqs)
+        appends = [1] * k
+        keeps = [-1] * k
+        blocks = [_NO_BLOCKS] * k
         if self.decode_rows:
-            seqs, seq_ids, computed, appends, keeps, blocks = map(list, zip(*self.decode_rows))
-        else:
-            seqs, seq_ids, computed, appends, keeps, blocks = [], [], [], [], [], []
-        appended = self.decode_tokens
+            columns = zip(*self.decode_rows)
+            for column, more in zip((seqs, seq_ids, computed, appends, keeps, blocks), columns):
+                column += more
+            appended += self.decode_tokens
         num_tokens = [1] * len(seqs)
         num_sampling_rows = len(seqs)
         if self.other_rows:

@@ -60,6 +60,7 @@ class Scheduler:
         self.grammars = Grammars(config.model)   # compiled off the step's path, cached by spec
         self.refused: list[RequestOutput] = []   # ended at the queue's head (a bad grammar)
         self.groups: dict[str, SequenceGroup] = {}        # every unfinished request
+        self.num_constrained = 0      # of them, those that follow a grammar
         self.waiting: list[tuple[tuple, SequenceGroup]] = []   # heap; aborted entries skipped
         self.num_waiting = 0
         self.running: list[SequenceGroup] = []             # sorted by sort_key
@@ -103,6 +104,7 @@ class Scheduler:
         if group.is_beam:
             group.beam = BeamSearch(sp, L, cfg.max_model_len)
         self.groups[req.request_id] = group
+        self.num_constrained += sp.constraint is not None
         heapq.heappush(self.waiting, (key, group))
         self.num_waiting += 1
 
@@ -151,7 +153,7 @@ class Scheduler:
         if self._inflight is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
         step = PlanBuilder(self.block_manager, self.config.max_num_batched_tokens,
-                           self._pending_finished)
+                           self._pending_finished, self.num_constrained > 0)
         self._pending_finished = []
         self._preempted = False
         self._admit_below = None
@@ -187,26 +189,19 @@ class Scheduler:
         return self._held_last
 
     def _schedule_running(self, step: PlanBuilder) -> None:
-        allocate_slots = self.block_manager.allocate_slots
-        add = step.add
-        # NOTE: a preemption only removes groups from the end of `running` (the victim is the
-        # latest one, possibly the group being scheduled): iterating over it stays valid.
-        for group in self.running:
-            budget = step.budget
-            if budget <= 0:
-                return
-            seqs = group.seqs
-            if len(seqs) == 1:
-                # The bulk of every step: one seq, its tokens up to the budget, slots there.
-                seq = seqs[0]
-                t = len(seq.token_ids) - seq.num_computed_tokens
-                if t > budget:
-                    t = budget
-                copies = allocate_slots(seq, t) if t > 0 else None
-                if copies is not None:
-                    add(seq, t, copies)
-                    continue
-            self._schedule_group(group, step, may_preempt=True)
+        running = self.running
+        i = 0
+        while i < len(running) and step.budget > 0:
+            decodes = self.block_manager.decode_slots(running, i, step.budget)
+            step.add_decodes(decodes)
+            i += len(decodes)
+            if i < len(running) and step.budget > 0:
+                # NOTE: a preemption only removes groups from the end of `running` (the
+                # latest, possibly this group itself): the groups before i stay where they are.
+                group = running[i]
+                self._schedule_group(group, step, may_preempt=True)
+                if group.status == RUNNING:
+                    i += 1
 
     def _schedule_swapped(self, step: PlanBuilder) -> None:
         bm = self.block_manager
@@ -422,7 +417,8 @@ class Scheduler:
         elif status == WAITING:
             self.num_waiting -= 1       # its heap entry is skipped when reached
         group.status = FINISHED
-        self.groups.pop(group.request_id, None)
+        if self.groups.pop(group.request_id, None) is not None:
+            self.num_constrained -= group.sampling.constraint is not None
 
     # ------------------------------------------------------------------ executor loss
     def recompute_all(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:

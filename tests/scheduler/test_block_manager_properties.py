@@ -1,8 +1,8 @@
 """Property-based stateful tests of the block manager: every invariant, after every step.
 
-The machine drives a real BlockManager with random allocate / append / fork / free / swap out
-/ swap in / prefix hit / evict / abort, and keeps a shadow of the KV pools, copies and swaps
-applied as the executors would. Like real K/V, a shadow slot depends on the whole prefix: it
+The machine drives a real BlockManager with random allocate / append / a decode step of every
+sequence / fork / free / swap out / swap in / prefix hit / evict / abort, and keeps a shadow
+of the KV pools, copies and swaps applied as the executors would. Like real K/V, a shadow slot depends on the whole prefix: it
 holds the tuple of tokens up to and including its position. After every step:
 
 - a block is on the free list iff its ref count is 0 and no table maps it, and each block's
@@ -14,6 +14,9 @@ holds the tuple of tokens up to and including its position. After every step:
 - when every sequence is gone, no block is in use.
 """
 from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
 
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
@@ -103,15 +106,47 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assume(self._compute(seq, len(new)))
 
     @precondition(lambda self: self.running)
-    @rule(i=st.integers(0, 99))
-    def fork(self, i):
+    @rule(new=st.lists(st.integers(0, 2), min_size=1, max_size=8), limit=st.integers(1, 8))
+    def decode_step(self, new, limit):
+        """One token for every running seq, as the scheduler runs a step: decode_slots
+        serves runs of one-seq families; the family it stops at (several seqs, a shared
+        block, no free block) goes through allocate_slots. Writes land where they say."""
+        groups = [SimpleNamespace(seqs=fam) for fam in self.running]
+        for fam, token in zip(self.running, itertools.cycle(new)):
+            for s in fam:
+                s.token_ids.append(token)
+        i = 0
+        while i < len(groups):
+            served = self.bm.decode_slots(groups, i, limit)
+            assert len(served) <= limit
+            for k, seq in enumerate(served):
+                assert groups[i + k].seqs == [seq]
+                pos = seq.num_computed_tokens
+                self.gpu_data[seq.block_table[pos // BS]][pos % BS] = tuple(seq.token_ids)
+                seq.num_computed_tokens = pos + 1
+                self.bm.cache_computed_blocks(seq)
+            i += len(served)
+            if i < len(groups):
+                for s in groups[i].seqs:
+                    if not self._compute(s, 1):
+                        s.token_ids.pop()          # no room: this seq sits the step out
+                i += 1
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 99), apart=st.booleans())
+    def fork(self, i, apart):
+        """`apart`: the child is a family of its own (two one-seq families share a partly
+        filled block: a decode into it must copy it first)."""
         fam = self.running[i % len(self.running)]
         parent = fam[i % len(fam)]
         child = self._seq(list(parent.token_ids))
         before = list(parent.block_table)
         assert self.bm.fork(parent, child) == []          # sharing moves no data
         assert child.block_table == before
-        fam.append(child)
+        if apart:
+            self.running.append([child])
+        else:
+            fam.append(child)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 99))
