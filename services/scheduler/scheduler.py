@@ -30,7 +30,8 @@ from operator import attrgetter
 from services.scheduler import outputs
 from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
-from services.scheduler.block_manager import BlockManager, block_manager_for
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.contiguous import block_manager_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fairness import FairQueue, first_token_step
 from services.scheduler.grammar import Grammars, admit_constrained

@@ -1,7 +1,8 @@
 """Block manager behaviours, one at a time (the stateful property test mixes them all)."""
 from __future__ import annotations
 
-from services.scheduler.block_manager import BlockManager, ContiguousBlockManager
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 BS = 4
