@@ -15,7 +15,7 @@ every token is exact: its arrival at the client minus the time the source handed
 Redis (one host, one clock).
 
     python loadtest/bench_frontend.py [--streams 256] [--rate 25600] [--tokens 200]
-        [--processes 1,2] [--baseline main] [--json]
+        [--processes 1,2] [--baseline main] [--pin] [--json]
 
 --baseline REV runs the one-process case once more with the gateway of git revision REV
 (checked out in a temporary worktree; same source, same clients), for a before/after in
@@ -192,12 +192,13 @@ def run_clients(args) -> None:
 
 # ---------------------------------------------------------------- one measured run
 
-def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
+def start_redis(tmp: str, cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     import redis
     port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no", "--dir", tmp,
-                             "--loglevel", "warning"], stdout=subprocess.DEVNULL)
+                             "--loglevel", "warning"], stdout=subprocess.DEVNULL,
+                            preexec_fn=pinned(cores))
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(200):
         try:
@@ -220,9 +221,26 @@ def single_char_tokens() -> list[int]:
     return sorted(found.values())
 
 
+def pinned(cores: set[int] | None):
+    """A preexec_fn that runs the child on `cores` only (None: anywhere)."""
+    if cores is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+def split_cores(processes: int) -> tuple[set[int], set[int]]:
+    """--pin: the gateway processes' cores, and the others' (source, Redis, clients)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= processes:
+        raise SystemExit(f"--pin: {processes} gateway process(es) need a core each and one "
+                         f"more for the rest; this machine lets us use {len(cores)}")
+    return set(cores[:processes]), set(cores[processes:])
+
+
 def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) -> dict:
+    gw_cores, rest = split_cores(processes) if args.pin else (None, None)
     tmp = tempfile.mkdtemp(prefix="bench-frontend-")
-    redis_proc, url = start_redis(tmp)
+    redis_proc, url = start_redis(tmp, rest)
     port = free_port()
     me = [sys.executable, str(Path(__file__).resolve())]
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -233,7 +251,8 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         gw_cmd += ["--api-server-count", str(processes)]
     if args.profile:       # uvicorn ends on a re-raised SIGTERM: dump the stats then
         gw_cmd[1:3] = ["-c", PROFILED.format(out=f"{args.profile}-{label}-{processes}.prof")]
-    gw = subprocess.Popen(gw_cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
+    gw = subprocess.Popen(gw_cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                          preexec_fn=pinned(gw_cores))
     procs = [gw]
     try:
         import httpx
@@ -253,7 +272,8 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         src = subprocess.Popen(me + ["--role", "source", "--redis-url", url,
                                      "--step-ms", str(step_ms), "--expect", str(args.streams),
                                      "--token-ids", ",".join(map(str, token_ids)),
-                                     "--out", str(src_out), "--tree", str(tree)])
+                                     "--out", str(src_out), "--tree", str(tree)],
+                               preexec_fn=pinned(rest))
         procs.append(src)
         gw_pids = [gw.pid] + children(gw.pid)
         watched = {"gateway": gw_pids, "redis": [redis_proc.pid]}
@@ -266,7 +286,8 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
             cli_outs.append(Path(tmp, f"clients{i}.json"))
             clients.append(subprocess.Popen(me + ["--role", "clients", "--port", str(port),
                                                   "--streams", str(n), "--tokens",
-                                                  str(args.tokens), "--out", str(cli_outs[-1])]))
+                                                  str(args.tokens), "--out", str(cli_outs[-1])],
+                                            preexec_fn=pinned(rest)))
         procs += clients
         for c in clients:
             c.wait(timeout=args.timeout)
@@ -341,6 +362,9 @@ def main() -> None:
                     help="tokens per stream left out of the latency (admission, not streaming)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--pin", action="store_true",
+                    help="run the gateway process(es) on cores of their own (one each) and "
+                         "the source, Redis and the clients on the others")
     ap.add_argument("--profile", default=None,
                     help="path prefix: write cProfile stats of the gateway (one process)")
     for hidden in ("--redis-url", "--token-ids", "--out", "--tree"):
@@ -372,7 +396,7 @@ def main() -> None:
         "added_ms_p50": one["added_ms_p50"], "added_ms_p99": one["added_ms_p99"],
         "one_core_capacity_tokens_per_s": round(1e6 / max(1e-9, one["cpu_us_per_token"]
                                                           ["gateway"])),
-        "runs": rows, "cpu_model": cpu(), "cores": os.cpu_count(),
+        "runs": rows, "cpu_model": cpu(), "cores": os.cpu_count(), "pinned": args.pin,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     base = next((r for r in rows if r["label"] == "baseline"), None)
