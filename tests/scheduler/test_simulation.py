@@ -72,3 +72,62 @@ def test_preempted_requests_end_with_the_tokens_they_would_have_had(reference, m
     st = run.scheduler.stats()
     assert (st.gpu_blocks_used, st.cpu_blocks_used, st.gpu_blocks_logical) == (0, 0, 0)
     assert not run.scheduler.has_unfinished()
+
+
+def _rows(plan) -> dict:
+    """A plan's rows by seq id, and what else it carries, in an order-free form."""
+    rows = {sid: (c, t, tuple(app), keep, tuple(blocks), r < plan.num_sampling_rows)
+            for r, (sid, c, t, app, keep, blocks) in enumerate(zip(
+                plan.seq_ids, plan.num_computed_tokens, plan.num_tokens,
+                plan.appended_per_row(), plan.block_keep, plan.block_append))}
+    new = sorted((ns.seq_id, tuple(ns.token_ids), tuple(ns.block_table)) for ns in plan.new_seqs)
+    moves = [sorted(map(tuple, pairs)) for pairs in (plan.copy, plan.swap_out, plan.swap_in)]
+    return {"rows": rows, "new": new, "moves": moves,
+            "finished": sorted(plan.finished_seq_ids)}
+
+
+def test_the_decode_pass_plans_what_the_general_path_plans(monkeypatch):
+    """BlockManager.decode_slots and PlanBuilder.add_decodes (the bulk of a step) against the
+    general path alone (_schedule_group, allocate_slots, add), over a run with hundreds of
+    preemptions (swap and recompute), aborts, forks, beams and prefix hits: every step's plan
+    holds the same rows (steady decodes come first, so the order differs), the same new
+    sequences, copies, swaps and dropped ids, every request ends with the same tokens, and
+    the prefix cache and the stats end the same."""
+    from services.scheduler.block_manager import BlockManager
+    from shared.messages import StepPlan
+
+    requests = REQUESTS[:600]
+
+    def run():
+        plans = []
+
+        def wire(msg):
+            if isinstance(msg, StepPlan):
+                plans.append(_rows(msg))
+            return msg
+        out = simulate(requests, config(preemption_mode="auto", policy="priority"),
+                       num_gpu_blocks=90, num_cpu_blocks=60, aborts=ABORTS, wire=wire)
+        return out, plans
+
+    served = []
+    real = BlockManager.decode_slots
+
+    def counted(self, running, start, limit):
+        seqs = real(self, running, start, limit)
+        served.append(len(seqs))
+        return seqs
+    monkeypatch.setattr(BlockManager, "decode_slots", counted)
+    fast, fast_plans = run()
+    monkeypatch.setattr(BlockManager, "decode_slots", lambda self, running, start, limit: [])
+    general, general_plans = run()
+    assert fast.num_preemptions >= 50 and fast.swapped_out_blocks > 0
+    rows = sum(len(p["rows"]) for p in fast_plans)
+    assert rows > 10_000 and sum(served) > rows // 4     # a third of the rows: decode pass
+    assert len(fast_plans) == len(general_plans)
+    for step, (f, g) in enumerate(zip(fast_plans, general_plans)):
+        assert f == g, step
+    assert fast.results == general.results
+    # the blocks the decodes filled went into the prefix cache the same way
+    pools = [run.scheduler.block_manager.gpu for run in (fast, general)]
+    assert pools[0].cached == pools[1].cached and pools[0].num_evictions == pools[1].num_evictions
+    assert fast.scheduler.stats() == general.scheduler.stats()
