@@ -190,6 +190,8 @@ class Scheduler:
         return self._held_last
 
     def _schedule_running(self, step: PlanBuilder) -> None:
+        """In queue order: runs of one-seq decodes in one pass (decode_slots, add_decodes);
+        any other group, or a decode that needs a copy or a block, by _schedule_group."""
         running = self.running
         i = 0
         while i < len(running) and step.budget > 0:
