@@ -11,9 +11,10 @@ drops it, so a plan carries only what changed. Each `Sequence` mirrors their cop
 `add` (any sequence) and `add_decodes` (sequences with one token to compute, the bulk of a
 step) are the ways a sequence enters a step, whatever path scheduled it: they register the
 blocks the step fills in the prefix cache, write the sequence's row (its diffs against the
-mirror) and move the mirror forward; `add` hands a decode to `add_decodes`. Rows go in the order the executors run them
-(shared/messages.py, StepPlan): decodes that sample, then other rows that sample, then
-prefill chunks that stop short of their sequence's end.
+mirror) and move the mirror forward; `add` hands a decode to `add_decodes`. Rows go in the
+order the executors run them (shared/messages.py, StepPlan): decodes that sample (steady
+ones first), then other rows that sample, then prefill chunks that stop short of their
+sequence's end.
 """
 from __future__ import annotations
 

@@ -15,10 +15,11 @@ Redis (XREADGROUP BLOCK): it never busy-spins.
 
 A request's stream entry is acknowledged only when the request ends, so a crashed
 scheduler's unfinished requests stay pending in the consumer group for another to claim.
-The Redis side is redis_link.py; a request's entry id and timeline live on its
-SequenceGroup. A failed step or a lost executor costs no request its stream: every request
-is recomputed from its prompt and streamed tokens, and a successor scheduler continues a
-dead one's requests from their output streams: recovery.py, and docs/reliability.md.
+The Redis side is redis_link.py, the executors' sockets executor_link.py; a request's
+entry id and timeline live on its SequenceGroup. A failed step or a lost executor costs no
+request its stream: every request is recomputed from its prompt and streamed tokens, and a
+successor scheduler continues a dead one's requests from their output streams:
+recovery.py, and docs/reliability.md.
 """
 from __future__ import annotations
 
