@@ -14,7 +14,7 @@ per step around the core (in --json):
                  the request timeline and its latency histograms)
 
     python loadtest/bench_scheduler.py [--sizes 64,256,1024] [--steps 300] [--repeats 3]
-                                       [--gc default|service|both] [--json]
+                                       [--gc default|service|both] [--floor] [--json]
 
 Each size is measured --repeats times in fresh schedulers; the best of the per-run medians is
 reported, so that other processes on a shared machine inflate the figure as little as possible.
@@ -34,6 +34,12 @@ stand-in executor's result adds a few instructions per sequence):
     for s in 10 40; do valgrind --tool=callgrind --callgrind-out-file=/dev/null \
         .venv/bin/python loadtest/bench_scheduler.py --untimed --gc service \
         --sizes 256 --steps $s 2>&1 | grep Collected; done   # (b - a) / 30 / 256
+
+--floor also times, in the same steps (just before each schedule()), a walk over the running
+seqs that touches only what any decode of a seq must: its group, the seq, the tail of its
+tokens and of its block table, and the pool's count of that block (`floor_walk`). Its ns per
+seq at each size is what the heap of per-request objects costs on this CPU whatever the
+scheduler does with them (`floor_ms` in --json; docs/overhead.md).
 
 NOTE: they differ most at 1,024 seqs. With the defaults, each step's plan and outputs (a few
 objects per seq) outlive two young collections, are promoted to the old generation, and set
@@ -68,8 +74,16 @@ def fake_result(plan, token: int = 7) -> StepResult:
     return StepResult(plan.step_id, [token] * n, [-0.5] * n)
 
 
+def floor_walk(running: list, ref_count: list[int]) -> list[tuple]:
+    """What a decode of each running seq reads at the least: its group, the seq, the tail of
+    its tokens and of its block table, and the pool's count of that block."""
+    return [(seq.seq_id, c, seq.token_ids[c - 1], ref_count[seq.block_table[-1]])
+            for seq in (group.seqs[0] for group in running)
+            for c in (seq.num_computed_tokens,)]
+
+
 def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
-          gc_freeze: bool = False, untimed: bool = False) -> dict:
+          gc_freeze: bool = False, untimed: bool = False, floor: bool = False) -> dict:
     # A budget that decodes every running seq and still prefills 2,048 tokens per step, so
     # that the first seqs do not outgrow the pool while the last ones are prefilled.
     cfg = SchedulerConfig(block_size=block_size, max_num_seqs=num_seqs,
@@ -114,7 +128,13 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
     times = []
     wire = []
     publish = []
+    walks = []
+    ref_count = sched.block_manager.gpu.ref_count
     for _ in range(steps):
+        if floor:
+            tw = time.perf_counter()
+            floor_walk(sched.running, ref_count)
+            walks.append(time.perf_counter() - tw)
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
@@ -140,7 +160,8 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
             "wire_ms": statistics.median(wire) * 1e3,
             "publish_ms": statistics.median(publish) * 1e3,
             "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
-            "per_seq_us": statistics.median(times) * 1e6 / num_seqs}
+            "per_seq_us": statistics.median(times) * 1e6 / num_seqs,
+            "floor_ms": statistics.median(walks) * 1e3 if floor else None}
 
 
 def main() -> None:
@@ -152,6 +173,8 @@ def main() -> None:
     ap.add_argument("--gc", choices=("default", "service", "both"), default="both",
                     help="garbage-collector settings to measure under (see above)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time floor_walk: the least a decode of each seq touches")
     ap.add_argument("--untimed", action="store_true",
                     help="only run the decode steps of the first size, once, untimed: for an "
                          "instruction counter (see the module docstring)")
@@ -163,6 +186,7 @@ def main() -> None:
               untimed=True)
         return
     res: dict[str, dict[int, dict]] = {m: {} for m in modes}
+    floors: dict[int, float] = {}
     for n in sizes:
         for r in range(args.repeats):      # the modes interleaved: the same machine load
             for m in modes:
@@ -170,12 +194,18 @@ def main() -> None:
                 best = res[m].get(n)
                 if best is None or run["median_ms"] < best["median_ms"]:
                     res[m][n] = run
+            if args.floor:                 # apart: the walk warms the seqs for schedule()
+                walk = bench(n, args.steps, args.block_size, seed=r,
+                             gc_freeze=modes[0] == "service", floor=True)["floor_ms"]
+                floors[n] = min(floors.get(n, walk), walk)
     if args.json:
         key = {"service": "step_ms", "default": "step_ms_default_gc"}
         out = {key[m]: {str(n): round(r["median_ms"], 4) for n, r in res[m].items()}
                for m in modes}
         for k in ("wire_ms", "publish_ms"):
             out[k] = {str(n): round(r[k], 4) for n, r in res[modes[0]].items()}
+        if floors:
+            out["floor_ms"] = {str(n): round(ms, 4) for n, ms in floors.items()}
         print(json.dumps(out))
         return
     print(f"{'gc':>8} {'running seqs':>12} {'median ms':>10} {'p90 ms':>8} {'us/seq':>7}")
@@ -183,6 +213,8 @@ def main() -> None:
         for n, r in res[m].items():
             print(f"{m:>8} {n:>12} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
                   f"{r['per_seq_us']:>7.2f}")
+    for n, ms in floors.items():
+        print(f"{'floor':>8} {n:>12} {ms:>10.3f} {'':>8} {ms * 1e3 / n:>7.2f}")
 
 
 if __name__ == "__main__":
