@@ -56,29 +56,47 @@ def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
     if gemm == "avx512":
         return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
     if gemm == "mkl":
-        return packed, lambda x: mkl_linear(x, packed, w, b)
+        rows = mkl_min_rows(packed, w, b)
+        return packed, lambda x: mkl_linear(x, packed, w, b, rows)
     pad = onednn_pads_one_row(packed, w.shape[1], w.dtype, b)
     return packed, lambda x: onednn_linear(x, packed, b, pad)
 
 
-# NOTE: MKL runs a small row count with other kernels than its blocked GEMM (one row as a
-# GEMV; on AMD EPYC Zen 4 every count below 12 that is not 4 or 8), and their sums round
-# differently. Calls with fewer rows are padded to this many, so a row gets the bits it gets
-# in any larger batch; `gemm_correct` checks every count up to it.
-MKL_MIN_ROWS = 16
+# NOTE: MKL runs a small row count with other kernels than its blocked GEMM, and their sums
+# round differently: one row as a GEMV; on the AMD EPYC Zen 4 every count below 12 that is
+# not 4 or 8; on the Intel Xeon (family 6 model 167, 2 threads) every count up to 16 once
+# the reduction is 1,024 or longer at 576 columns (SmolLM2's down projection), one row
+# otherwise. Calls with fewer rows than a weight's `mkl_min_rows` are padded to it, so that
+# a row gets the bits it gets in any larger batch; it is found once per weight, at packing.
+MKL_MIN_ROWS = 16                       # the least padding: `gemm_correct` checks up to it
+MKL_ROW_FLOORS = (16, 17, 24, 32, 64)   # the candidates, smallest first
+_MKL_PROBE_ROWS = 128
+
+
+def mkl_min_rows(packed: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> int:
+    """The row count that fewer rows run padded to on this packed weight: the first of
+    MKL_ROW_FLOORS whose product gives its rows the bits they get in a 128-row product
+    (found with the torch threads of the caller, which the library splits the work over)."""
+    x = torch.randn(_MKL_PROBE_ROWS, w.shape[1], generator=torch.Generator().manual_seed(0))
+    full = torch.ops.mkl._mkl_linear(x, packed, w, b, _MKL_PROBE_ROWS)
+    for rows in MKL_ROW_FLOORS:
+        if torch.equal(torch.ops.mkl._mkl_linear(x[:rows], packed, w, b, rows), full[:rows]):
+            return rows
+    return _MKL_PROBE_ROWS
 
 
 def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor,
-               b: torch.Tensor | None) -> torch.Tensor:
+               b: torch.Tensor | None, min_rows: int = MKL_MIN_ROWS) -> torch.Tensor:
     """MKL's packed sgemm. MKL's packed B layout does not depend on M, so any row count may use
-    a weight packed once. Fewer than MKL_MIN_ROWS rows run padded to it (the padding rows are
-    zeros, dropped after): a decode step reads the whole weight anyway, so the extra rows cost
-    little, and a row's result does not depend on how many rows it is multiplied with."""
+    a weight packed once. Fewer than `min_rows` rows (the weight's mkl_min_rows) run padded to
+    it (the padding rows are zeros, dropped after): a decode step reads the whole weight
+    anyway, so the extra rows cost little, and a row's result does not depend on how many
+    rows it is multiplied with."""
     m = x.shape[0]
-    if m < MKL_MIN_ROWS:
-        padded = x.new_zeros(MKL_MIN_ROWS, x.shape[1])
+    if m < min_rows:
+        padded = x.new_zeros(min_rows, x.shape[1])
         padded[:m] = x
-        return torch.ops.mkl._mkl_linear(padded, packed, w, b, MKL_MIN_ROWS)[:m]
+        return torch.ops.mkl._mkl_linear(padded, packed, w, b, min_rows)[:m]
     return torch.ops.mkl._mkl_linear(x, packed, w, b, m)
 
 

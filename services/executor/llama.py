@@ -139,21 +139,25 @@ class Linear:
     `gemm` names the library of the packed weight: "avx512" (cpu_kernels.c), "mkl" or
     "onednn" (fp32 and bf16); None while the weight is not packed. `glu`: a [gate | up]
     weight packed for `swiglu` only (the AVX-512 GEMM applies silu(gate) * up itself).
-    `pad_one_row`: oneDNN runs a single row of this weight as two
-    (`cpu_gemm.onednn_pads_one_row`)."""
+    `min_rows`: fewer rows run padded to this many, so that a row gets the bits it gets in
+    any batch (MKL: `cpu_gemm.mkl_min_rows`; oneDNN: 2 where it runs a single row of this
+    weight otherwise than two, `cpu_gemm.onednn_pads_one_row`; else 1)."""
 
-    __slots__ = ("weight", "bias", "packed", "gemm", "glu", "pad_one_row")
+    __slots__ = ("weight", "bias", "packed", "gemm", "glu", "min_rows")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
         self.weight, self.bias, self.packed, self.gemm, self.glu = weight, bias, None, None, False
-        self.pad_one_row = False
+        self.min_rows = 1
 
     def set_packed(self, packed: torch.Tensor, gemm: str, glu: bool = False) -> None:
         """Use `packed` (this weight packed for `gemm`) from now on; call while `weight` is
         still the real one."""
         self.packed, self.gemm, self.glu = packed, gemm, glu
-        self.pad_one_row = gemm == "onednn" and cpu_gemm.onednn_pads_one_row(
-            packed, self.weight.shape[1], self.weight.dtype, self.bias)
+        w, b = self.weight, self.bias
+        if gemm == "mkl":
+            self.min_rows = cpu_gemm.mkl_min_rows(packed, w, b)
+        elif gemm == "onednn":
+            self.min_rows = 2 if cpu_gemm.onednn_pads_one_row(packed, w.shape[1], w.dtype, b) else 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -161,8 +165,8 @@ class Linear:
         if self.gemm == "avx512":
             return cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         if self.gemm == "mkl":
-            return cpu_gemm.mkl_linear(x, self.packed, self.weight, self.bias)
-        return cpu_gemm.onednn_linear(x, self.packed, self.bias, self.pad_one_row)
+            return cpu_gemm.mkl_linear(x, self.packed, self.weight, self.bias, self.min_rows)
+        return cpu_gemm.onednn_linear(x, self.packed, self.bias, self.min_rows > 1)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of this [gate | up] weight, in the GEMM (needs `glu`)."""

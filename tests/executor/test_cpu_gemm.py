@@ -127,8 +127,9 @@ def test_a_gemm_whose_rows_depend_on_the_row_count_is_not_correct(monkeypatch):
 @pytest.mark.parametrize("gemm", ["avx512", "mkl", "onednn"])
 def test_every_packed_gemm_gives_a_row_the_same_bits_alone_and_in_a_batch(gemm, shape):
     """Through the executor's own Linear, on SmolLM2's up and down projections (where MKL's
-    one-row kernel, and oneDNN's over the down projection's 1,536-long reduction, round
-    otherwise than their GEMMs): row i of a product of M rows is bit-identical for every M,
+    small-row kernels, up to 16 rows over the down projection's 1,536-long reduction on an
+    Intel Xeon, and oneDNN's one-row kernel over that reduction round otherwise than their
+    GEMMs): row i of a product of M rows is bit-identical for every M,
     so a sequence's logits do not depend on who else is in the step."""
     from services.executor import cpu_gemm
     from services.executor.llama import Linear
