@@ -55,19 +55,28 @@ def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
     packed = pack_weight(gemm, w)
     if gemm == "avx512":
         return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
+    rows = min_rows(gemm, packed, w, b)
     if gemm == "mkl":
-        rows = mkl_min_rows(packed, w, b)
         return packed, lambda x: mkl_linear(x, packed, w, b, rows)
-    pad = onednn_pads_one_row(packed, w.shape[1], w.dtype, b)
-    return packed, lambda x: onednn_linear(x, packed, b, pad)
+    return packed, lambda x: onednn_linear(x, packed, b, rows > 1)
 
 
-# NOTE: MKL runs a small row count with other kernels than its blocked GEMM, and their sums
-# round differently: one row as a GEMV; on the AMD EPYC Zen 4 every count below 12 that is
-# not 4 or 8; on the Intel Xeon (family 6 model 167, 2 threads) every count up to 16 once
-# the reduction is 1,024 or longer at 576 columns (SmolLM2's down projection), one row
-# otherwise. Calls with fewer rows than a weight's `mkl_min_rows` are padded to it, so that
-# a row gets the bits it gets in any larger batch; it is found once per weight, at packing.
+def min_rows(gemm: str, packed: torch.Tensor, w: torch.Tensor,
+             b: torch.Tensor | None = None) -> int:
+    """Fewer rows than this run padded to it on this packed weight, so that a row gets the
+    bits it gets in any batch: MKL's `mkl_min_rows`; oneDNN 2 where it runs a single row
+    otherwise than two (`onednn_pads_one_row`), else 1; the AVX-512 kernel 1."""
+    if gemm == "mkl":
+        return mkl_min_rows(packed, w, b)
+    if gemm == "onednn":
+        return 2 if onednn_pads_one_row(packed, w.shape[1], w.dtype, b) else 1
+    return 1
+
+
+# NOTE: MKL runs small row counts with other kernels than its blocked GEMM, and their sums
+# round differently. Which counts depends on the CPU, the thread count and the weight's
+# shape (docs/executor.md, "The CPU path"), so it is found once per weight, when packed:
+# calls with fewer rows than its `mkl_min_rows` are padded to it.
 MKL_MIN_ROWS = 16                       # the least padding: `gemm_correct` checks up to it
 MKL_ROW_FLOORS = (16, 17, 24, 32, 64)   # the candidates, smallest first
 _MKL_PROBE_ROWS = 128

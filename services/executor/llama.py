@@ -140,8 +140,7 @@ class Linear:
     "onednn" (fp32 and bf16); None while the weight is not packed. `glu`: a [gate | up]
     weight packed for `swiglu` only (the AVX-512 GEMM applies silu(gate) * up itself).
     `min_rows`: fewer rows run padded to this many, so that a row gets the bits it gets in
-    any batch (MKL: `cpu_gemm.mkl_min_rows`; oneDNN: 2 where it runs a single row of this
-    weight otherwise than two, `cpu_gemm.onednn_pads_one_row`; else 1)."""
+    any batch (`cpu_gemm.min_rows`)."""
 
     __slots__ = ("weight", "bias", "packed", "gemm", "glu", "min_rows")
 
@@ -153,11 +152,7 @@ class Linear:
         """Use `packed` (this weight packed for `gemm`) from now on; call while `weight` is
         still the real one."""
         self.packed, self.gemm, self.glu = packed, gemm, glu
-        w, b = self.weight, self.bias
-        if gemm == "mkl":
-            self.min_rows = cpu_gemm.mkl_min_rows(packed, w, b)
-        elif gemm == "onednn":
-            self.min_rows = 2 if cpu_gemm.onednn_pads_one_row(packed, w.shape[1], w.dtype, b) else 1
+        self.min_rows = cpu_gemm.min_rows(gemm, packed, self.weight, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
