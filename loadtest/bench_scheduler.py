@@ -77,9 +77,11 @@ def fake_result(plan, token: int = 7) -> StepResult:
 def floor_walk(running: list, ref_count: list[int]) -> list[tuple]:
     """What a decode of each running seq reads at the least: its group, the seq, the tail of
     its tokens and of its block table, and the pool's count of that block."""
-    return [(seq.seq_id, c, seq.token_ids[c - 1], ref_count[seq.block_table[-1]])
+    # (the seq's own slots, not its properties: a seq in the scheduler's lead keeps these
+    # fields in columns, and the walk is about the objects)
+    return [(seq.seq_id, c, seq._tokens[c - 1], ref_count[seq.block_table[-1]])
             for seq in (group.seqs[0] for group in running)
-            for c in (seq.num_computed_tokens,)]
+            for c in (seq._computed,)]
 
 
 def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,

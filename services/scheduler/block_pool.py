@@ -18,9 +18,10 @@ Python's garbage collector and every full collection would walk them (millisecon
 collection, on the scheduler's hot loop). A full collection still visits every item of every
 list, and each block id above 256 in a list is an int object of its own, so the free list's
 links (block ids, touched only on allocate / free) live in array.array, which holds raw
-machine ints and is invisible to the collector. ref_count and num_tokens stay lists: they
-hold small ints (shared objects, cheap to visit) and the per-step fast path reads them, which
-is quicker on a list.
+machine ints and is invisible to the collector; so does num_tokens, which the running
+queue's lead writes for a whole step through a numpy view. ref_count stays a list: it holds
+small ints (shared objects, cheap to visit) and the per-seq paths read it, which is quicker
+on a list.
 
 `num_tokens[b]` counts block b's filled token slots (0..block_size); the pool keeps the sum
 over in-use blocks so that waste figures never scan the pool.
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 from array import array
 from typing import Callable, Iterator
+
+import numpy as np
 
 NO_PARENT = (-1, -1)   # the parent identity of a prompt's first block
 
@@ -88,7 +91,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_count = [0] * num_blocks
-        self.num_tokens = [0] * num_blocks               # filled slots
+        # Filled slots: raw ints, so that the running queue's lead (lead.py) updates a
+        # step's blocks at once through the numpy view.
+        self.num_tokens = array("q", bytes(8 * num_blocks))
+        self.num_tokens_np = np.frombuffer(self.num_tokens, np.int64)
         # Prefix cache entry of each block (None while not registered):
         self.block_hash: list[int | None] = [None] * num_blocks
         self.token_ids: list[tuple[int, ...] | None] = [None] * num_blocks  # compared on a hit

@@ -16,14 +16,15 @@ from services.scheduler.sequence import Sequence
 from shared.messages import StepPlan
 
 
-def add_bitmasks(plan: StepPlan, seqs: list[Sequence]) -> None:
+def add_bitmasks(plan: StepPlan, seqs: list[Sequence], first: int = 0) -> None:
     """The allowed-token bitmask of every constrained row that samples this step (its
     matcher has seen every output token so far: masks are computed when the plan is built,
-    and the sampled tokens advance the matchers in `consume`)."""
-    rows = [r for r in range(plan.num_sampling_rows) if seqs[r].matcher is not None]
+    and the sampled tokens advance the matchers in `consume`). `seqs[i]` is the seq of row
+    first + i (the rows before are the lead's, never constrained)."""
+    rows = [r for r in range(first, plan.num_sampling_rows) if seqs[r - first].matcher is not None]
     if not rows:
         return
-    plan.token_bitmask = fill_masks([seqs[r] for r in rows])
+    plan.token_bitmask = fill_masks([seqs[r - first] for r in rows])
     plan.bitmask_rows = rows
     plan.bitmask_words = len(plan.token_bitmask) // (4 * len(rows))
 

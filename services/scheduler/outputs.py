@@ -12,8 +12,10 @@ or max_model_len ends it "length".
 """
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain, islice, repeat
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.constrained import consume
@@ -22,6 +24,7 @@ from shared.messages import RequestOutput, SeqDelta, StepPlan, StepResult, Token
 from shared.wire import encode, tuple_encoder
 
 if TYPE_CHECKING:
+    from services.scheduler.lead import Lead
     from services.scheduler.scheduler import Scheduler
 
 RUNNING = SequenceStatus.RUNNING
@@ -48,23 +51,33 @@ class StepOutputs:
 
     where `token` is the one token the step added to the sequence, or None when it added
     none (a stop token ends a sequence without joining it); `seq_delta` makes the row's
-    SeqDelta.
+    SeqDelta. The rows of the running queue's lead that go on (lead.py) stay columns until
+    read: `lead` is (the Lead, their slots, seq ids, tokens, cumulative logprobs).
 
     and its RequestOutput is built by `request_outputs()`, where the outputs are published,
     not per row in the core's loop. Everything else (a request's first output, parallel
     samples, a beam search's end, a failed step) is a whole RequestOutput in `outputs`.
     """
 
-    __slots__ = ("rows", "outputs")
+    __slots__ = ("_rows", "outputs", "lead")
 
-    def __init__(self, rows: list[tuple],
-                 outputs: list[RequestOutput]) -> None:
-        self.rows = rows
+    def __init__(self, rows: list[tuple], outputs: list[RequestOutput],
+                 lead: tuple | None = None) -> None:
+        self._rows = rows
         self.outputs = outputs
+        self.lead = lead
 
     def __len__(self) -> int:
         """Requests with news (one RequestOutput each)."""
-        return len(self.rows) + len(self.outputs)
+        return len(self._rows) + len(self.outputs) + (len(self.lead[1]) if self.lead else 0)
+
+    @property
+    def rows(self) -> list[tuple]:
+        """Every row, the lead's first (made from its columns once)."""
+        if self.lead is not None:
+            self._rows = lead_rows(*self.lead) + self._rows
+            self.lead = None
+        return self._rows
 
     def encoded(self) -> list[Outgoing]:
         """The same RequestOutputs as request_outputs(), encoded for their output streams
@@ -92,6 +105,21 @@ class StepOutputs:
                 for row in self.rows]
         outs += self.outputs
         return outs
+
+
+def lead_rows(lead: Lead, slots: np.ndarray, seq_ids: np.ndarray, tokens: np.ndarray,
+              cums: np.ndarray) -> list[tuple]:
+    """The news rows of lead seqs that went on, one token each (read while their slots still
+    hold them: a slot is taken again only after every other free one)."""
+    seqs, groups = lead.seqs, lead.groups
+    rows = []
+    for s, seq_id, token, cum in zip(slots.tolist(), seq_ids.tolist(), tokens.tolist(),
+                                     cums.tolist()):
+        seq = seqs[s]
+        if seq.seq_id != seq_id:
+            raise RuntimeError("a step's news was read after its lead slots were taken again")
+        rows.append((groups[s], seq.sample_index, token, _NO_LOGPROBS, None, None, cum))
+    return rows
 
 
 def outgoing(out: RequestOutput) -> Outgoing:
@@ -161,13 +189,15 @@ def fail_step(core: Scheduler, seqs: list[Sequence], error: str) -> StepOutputs:
     return StepOutputs([], failed)
 
 
-def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: StepResult
-                 ) -> StepOutputs:
+def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: StepResult,
+                 lead: tuple | None = None) -> StepOutputs:
     """Advance every row's seq by its scheduled tokens and apply the sampled ones. Returns
-    the news of every request that has some. `seqs[r]` is the seq of plan row r; a seq that
+    the news of every request that has some. The plan's first rows are the lead's when
+    `lead` holds their (slots, seq ids); `seqs[i]` is the seq of the next row i. A seq that
     finished or was aborted while the step ran is skipped."""
+    k = 0 if lead is None else len(lead[0])
     if result.prompt_logprobs:
-        _add_prompt_logprobs(seqs, result.prompt_logprobs)
+        _add_prompt_logprobs(seqs, result.prompt_logprobs[k:])
     num_sampling = plan.num_sampling_rows
     rows: list[tuple] = []
     outs: list[RequestOutput] = []
@@ -176,8 +206,15 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
     prompt_done = 0
     num_skipped = 0
     any_finished = False
-    tops = result.top if result.top else repeat(_NO_TOP)
-    for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, tops):
+    news = None
+    tops = islice(result.top, k, None) if result.top else repeat(_NO_TOP)
+    per_seq = zip(seqs, islice(result.token_ids, k, None), islice(result.logprobs, k, None),
+                  tops)
+    if k:
+        news, left = _apply_lead(core, lead, result, rows)
+        if left:
+            per_seq = chain([(seq, t, lp, _NO_TOP) for seq, t, lp in left], per_seq)
+    for seq, token, logprob, top in per_seq:
         if seq.status is not RUNNING:      # aborted or finished while in flight
             num_skipped += 1
             continue
@@ -234,7 +271,7 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
                     out.finished = True
                 core.finish_group(group, prune_running=False)
                 any_finished = True
-    for seq in seqs[num_sampling:]:          # prefill chunks short of their seq's end
+    for seq in seqs[num_sampling - k:]:      # prefill chunks short of their seq's end
         if seq.status == RUNNING:
             c = seq.num_computed_tokens
             t = seq.num_scheduled_tokens
@@ -248,9 +285,42 @@ def apply_result(core: Scheduler, plan: StepPlan, seqs: list[Sequence], result: 
             any_finished = True
     core.prompt_tokens_total += prompt_done
     core.generation_tokens_total += num_sampling - num_skipped
-    if any_finished:
-        core.running = [g for g in core.running if g.status == RUNNING]
-    return StepOutputs(rows, outs)
+    if any_finished:                         # (the lead's are out already)
+        running = core.running
+        m = len(core.lead)
+        running[m:] = [g for g in running[m:] if g.status == RUNNING]
+    return StepOutputs(rows, outs, news)
+
+
+def _apply_lead(core: Scheduler, lead_rows: tuple, result: StepResult, rows: list[tuple]
+                ) -> tuple[tuple, list[tuple]]:
+    """The lead's rows of a result (Lead.apply); the seqs that end get their row in `rows`
+    and leave. Returns (the columns of the rest's news, the rows of seqs that left the lead
+    while the step ran, for the per-seq path)."""
+    lead = core.lead
+    slots, tokens, cums, stop, long, left = lead.apply(*lead_rows, result.token_ids,
+                                                       result.logprobs)
+    seq_ids = lead.seq_id[slots]
+    ended = stop | long
+    if ended.any():
+        gone = slots[ended].tolist()
+        for s, token, cum, stopped in zip(gone, tokens[ended].tolist(), cums[ended].tolist(),
+                                          stop[ended].tolist()):
+            seq = lead.seqs[s]
+            seq.finish_reason = reason = "stop" if stopped else "length"
+            if stopped:
+                seq.stop_token_id = token
+            rows.append((lead.groups[s], seq.sample_index, None if stopped else token,
+                         _NO_LOGPROBS, reason, token if stopped else None, cum))
+        lead.remove(core.running, gone)
+        for s in gone:
+            group = lead.groups[s]
+            core.release_seq(lead.seqs[s])
+            group.seqs = []
+            core.finish_group(group, prune_running=False)
+        on = ~ended
+        slots, seq_ids, tokens, cums = slots[on], seq_ids[on], tokens[on], cums[on]
+    return (lead, slots, seq_ids, tokens, cums), left
 
 
 def _add_prompt_logprobs(seqs: list[Sequence], per_row: list[list[TokenLogprob]]) -> None:

@@ -43,8 +43,8 @@ def drop_from_executors(seq: Sequence, finished_seq_ids: list[int]) -> None:
 class PlanBuilder:
     """One step's plan, built as sequences are scheduled; `budget` is the tokens left."""
 
-    __slots__ = ("block_manager", "block_size", "budget", "steady_seqs", "steady_ids",
-                 "steady_computed", "steady_tokens", "decode_rows", "decode_tokens",
+    __slots__ = ("block_manager", "block_size", "budget", "lead", "steady_seqs", "steady_ids",
+                 "steady_computed", "steady_tokens", "steady_blocks", "decode_rows", "decode_tokens",
                  "other_rows", "new_seqs", "swap_out", "swap_in", "copy", "finished_seq_ids",
                  "swapped_out_seqs", "constrained")
 
@@ -61,10 +61,14 @@ class PlanBuilder:
         #                their appended tokens go to decode_tokens after the steady ones'
         #   other_rows   (samples, seq, seq_id, computed, tokens, num_append, keep, blocks,
         #                 appended tokens)
+        # The running queue's lead, scheduled first on columns (lead.py): its slots and seq
+        # ids (numpy), and its rows' computed, tokens and new blocks.
+        self.lead: tuple | None = None
         self.steady_seqs: list[Sequence] = []
         self.steady_ids: list[int] = []
         self.steady_computed: list[int] = []
         self.steady_tokens: list[int] = []
+        self.steady_blocks: list[list[int]] = []
         self.decode_rows: list[tuple] = []
         self.decode_tokens: list[int] = []
         self.other_rows: list[tuple] = []
@@ -79,7 +83,7 @@ class PlanBuilder:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.steady_seqs or self.decode_rows or self.other_rows or self.swap_out
+        return not (self.lead or self.steady_seqs or self.decode_rows or self.other_rows or self.swap_out
                     or self.swap_in or self.copy)
 
     def add(self, seq: Sequence, num_tokens: int, copies: list[list[int]]) -> None:
@@ -110,27 +114,41 @@ class PlanBuilder:
                                 len(tokens) - sent, keep, blocks,
                                 tokens[sent:] if sent < len(tokens) else _NO_TOKENS))
 
+    def add_lead(self, slots, seq_ids, computed: list[int], tokens: list[int],
+                 blocks: list[list[int]]) -> None:
+        """The lead's decodes (lead.py): the plan's first rows, their mirror moved already."""
+        self.lead = (slots, seq_ids, computed, tokens, blocks)
+        self.budget -= len(computed)
+
     def add_decodes(self, seqs: list[Sequence]) -> None:
         """add(seq, 1, no copies) for each seq: one token, its last, whose slot is allocated
         and whose full blocks are in the prefix cache (BlockManager.decode_slots, or add).
         The bulk of every step: a steady decode (the executors hold every token but the one
-        sampled last, and the same block table) is written without the general diff."""
+        sampled last, and the same block table or one block less) is written without the
+        general diff, in queue order (as the lead writes it, lead.py)."""
         steady_seqs = self.steady_seqs
         steady_ids = self.steady_ids
         steady_computed = self.steady_computed
         steady_tokens = self.steady_tokens
+        steady_blocks = self.steady_blocks
         for seq in seqs:
             c = seq.num_computed_tokens
             end = c + 1
             seq.num_scheduled_tokens = 1
             sent = seq.num_tokens_sent
             synced = seq.num_blocks_synced
-            if sent == c and synced == len(seq.block_table) == seq.num_blocks_sent:
+            table = seq.block_table
+            if sent == c and synced == seq.num_blocks_sent and 0 <= len(table) - synced <= 1:
                 seq.num_tokens_sent = end
                 steady_seqs.append(seq)
                 steady_ids.append(seq.seq_id)
                 steady_computed.append(c)
                 steady_tokens.append(seq.token_ids[c])
+                if len(table) == synced:
+                    steady_blocks.append(_NO_BLOCKS)
+                else:
+                    steady_blocks.append(table[synced:])
+                    seq.num_blocks_sent = seq.num_blocks_synced = len(table)
             else:
                 sent, keep, blocks = self._sync(seq)
                 self.decode_tokens += seq.token_ids[sent:]
@@ -168,22 +186,31 @@ class PlanBuilder:
             seq.num_blocks_synced = 0
 
     def build(self, step_id: int) -> tuple[StepPlan, list[Sequence]]:
-        """The plan, rows in the executors' order, and the Sequence of each row."""
+        """The plan, rows in the executors' order, and the Sequence of each row after the
+        lead's (the lead's rows come first; `lead` holds their slots)."""
         seqs = self.steady_seqs
-        seq_ids = self.steady_ids
-        computed = self.steady_computed
-        appended = self.steady_tokens
-        k = len(seqs)
+        if self.lead is None:
+            seq_ids = self.steady_ids
+            computed = self.steady_computed
+            appended = self.steady_tokens
+            blocks = self.steady_blocks
+        else:
+            _, ids, computed, appended, blocks = self.lead
+            seq_ids = ids.tolist()
+            seq_ids += self.steady_ids
+            computed += self.steady_computed
+            appended += self.steady_tokens
+            blocks += self.steady_blocks
+        k = len(seq_ids)
         appends = [1] * k
         keeps = [-1] * k
-        blocks = [_NO_BLOCKS] * k
         if self.decode_rows:
             columns = zip(*self.decode_rows)
             for column, more in zip((seqs, seq_ids, computed, appends, keeps, blocks), columns):
                 column += more
             appended += self.decode_tokens
-        num_tokens = [1] * len(seqs)
-        num_sampling_rows = len(seqs)
+        num_tokens = [1] * len(seq_ids)
+        num_sampling_rows = len(seq_ids)
         if self.other_rows:
             self.other_rows.sort(key=_samples_last)      # stable: schedule order otherwise
             samples, *columns, tokens = zip(*self.other_rows)
@@ -197,7 +224,7 @@ class PlanBuilder:
                         appended, keeps, blocks, num_sampling_rows, self.swap_out, self.swap_in,
                         self.copy, self.finished_seq_ids)
         if self.constrained:
-            add_bitmasks(plan, seqs)
+            add_bitmasks(plan, seqs, len(seq_ids) - len(seqs))
         return plan, seqs
 
 

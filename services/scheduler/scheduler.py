@@ -14,7 +14,7 @@ Prefill chunks and decodes share a step (chunked prefill), but for first-token s
 (fairness.py). This module is the policy: the queues, the admission order (fairness.py:
 tenants' fair shares), the victims (priority.py: those of a more important waiting
 request). Blocks are block_manager.py's, the plan's rows plan.py's, applying a result
-outputs.py's, a grammar's hooks constrained.py's.
+outputs.py's, a grammar's hooks constrained.py's, the running queue's steady lead lead.py's.
 
 Parallel sampling (n > 1) computes the prompt once: seq 0 prefills all but the last prompt
 token, then n seqs fork from it, sharing its blocks; each computes the last prompt token
@@ -35,6 +35,7 @@ from services.scheduler.contiguous import block_manager_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fairness import FairQueue, first_token_step
 from services.scheduler.grammar import Grammars, admit_constrained
+from services.scheduler.lead import Lead
 from services.scheduler.plan import PlanBuilder, drop_from_executors
 from services.scheduler.priority import preemptible, victims_for
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -68,8 +69,9 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []             # sorted by sort_key
         self.num_running_seqs = 0     # seq slots held by running groups (a group holds its max)
         self._pending_finished: list[int] = []   # seq ids the executors must drop next plan
-        # The plan in flight: (step id, the Sequence of each row, seqs swapped out by it).
-        self._inflight: tuple[int, list[Sequence], list[Sequence]] | None = None
+        # The plan in flight: (step id, its lead rows' (slots, seq ids) or None, the Sequence
+        # of each row after them, seqs swapped out by it).
+        self._inflight: tuple[int, tuple | None, list[Sequence], list[Sequence]] | None = None
         self._step_id = 0
         self.seq_ids = itertools.count()    # a new Sequence's id
         self._orders = itertools.count()    # queue order: (priority, fair start, arrival)
@@ -175,7 +177,8 @@ class Scheduler:
             return None
         self._step_id += 1
         plan, seqs = step.build(self._step_id)
-        self._inflight = (self._step_id, seqs, step.swapped_out_seqs)
+        self._inflight = (self._step_id, step.lead and step.lead[:2], seqs,
+                          step.swapped_out_seqs)
         return plan
 
     def _first_token_step(self, step: PlanBuilder) -> bool:
@@ -190,10 +193,12 @@ class Scheduler:
         return self._held_last
 
     def _schedule_running(self, step: PlanBuilder) -> None:
-        """In queue order: runs of one-seq decodes in one pass (decode_slots, add_decodes);
-        any other group, or a decode that needs a copy or a block, by _schedule_group."""
+        """In queue order: the lead's decodes on columns (lead.py), runs of one-seq decodes
+        in one pass (decode_slots, add_decodes), any other group by _schedule_group."""
         running = self.running
-        i = 0
+        self.lead.extend(running)
+        i = self.lead.schedule(step)
+        self.lead.cut(i)                # the rest, if the budget or the blocks ran out
         while i < len(running) and step.budget > 0:
             decodes = self.block_manager.decode_slots(running, i, step.budget)
             step.add_decodes(decodes)
@@ -302,11 +307,7 @@ class Scheduler:
     def _start_running(self, group: SequenceGroup) -> None:
         group.status = RUNNING
         self.num_running_seqs += group.max_num_seqs
-        running = self.running
-        if not running or running[-1].sort_key < group.sort_key:
-            running.append(group)
-        else:
-            insort(running, group, key=_sort_key)
+        self.lead.enter(self.running, group)
 
     def _make_room(self, group: SequenceGroup, step: PlanBuilder, may_preempt: bool) -> bool:
         """Free blocks by preempting the latest running group. False when `group` may not
@@ -349,10 +350,7 @@ class Scheduler:
             mode = "swap" if len(group.seqs) > 1 else "recompute"
         if mode == "swap" and not bm.can_swap_out(group.seqs):
             mode = "recompute"   # the CPU pool is full: recomputing is always possible
-        if self.running[-1] is group:
-            self.running.pop()
-        else:
-            self.running.remove(group)
+        self.lead.leave(self.running, group)
         self.num_running_seqs -= group.max_num_seqs
         self.num_preemptions += 1
         group.num_preemptions += 1
@@ -383,12 +381,13 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"the result of step {result.step_id} does not answer step "
                              f"{plan.step_id}")
-        _, seqs, swapped_out = self._inflight
+        _, lead_rows, seqs, swapped_out = self._inflight
         self._inflight = None
         error = outputs.result_error(plan, result)
         if error is not None:
-            return outputs.fail_step(self, seqs + swapped_out, error)
-        return outputs.apply_result(self, plan, seqs, result)
+            led = self.lead.seqs_of(lead_rows[0]) if lead_rows else []
+            return outputs.fail_step(self, led + seqs + swapped_out, error)
+        return outputs.apply_result(self, plan, seqs, result, lead_rows)
 
     def fail_unsent(self, plan: StepPlan, error: str) -> outputs.StepOutputs:
         """The plan in flight could not be sent: its requests fail as in a failed step (see
@@ -408,17 +407,17 @@ class Scheduler:
     def finish_group(self, group: SequenceGroup, prune_running: bool = True) -> None:
         """Release everything a request holds, whatever its state."""
         status = group.status
-        for seq in group.seqs:
-            self.release_seq(seq)
-        group.seqs = []
         if status == RUNNING:
             self.num_running_seqs -= group.max_num_seqs
             if prune_running:
-                self.running.remove(group)
+                self.lead.leave(self.running, group)
         elif status == SWAPPED:
             self.swapped.remove(group)
         elif status == WAITING:
             self.num_waiting -= 1       # its heap entry is skipped when reached
+        for seq in group.seqs:
+            self.release_seq(seq)
+        group.seqs = []
         group.status = FINISHED
         if self.groups.pop(group.request_id, None) is not None:
             self.num_constrained -= group.sampling.constraint is not None
@@ -429,6 +428,7 @@ class Scheduler:
         failed step is unknown): start over on a fresh pool of this size. Every unfinished
         request waits again, in queue order, to be recomputed from its prompt and output so
         far, as after a preemption by recompute; the plan in flight is forgotten."""
+        self.lead.cut(0)
         self._new_pool(num_gpu_blocks, num_cpu_blocks)
         self._inflight = None
         self._pending_finished = []
@@ -444,6 +444,7 @@ class Scheduler:
         self.block_manager: BlockManager = block_manager_for(self.config, num_gpu_blocks,
                                                              num_cpu_blocks)
         self.watermark_blocks = int(self.config.watermark * num_gpu_blocks)
+        self.lead = Lead(self.block_manager)
 
     # ------------------------------------------------------------------ figures
     stats = scheduler_stats      # -> SchedulerStats (stats.py)

@@ -12,6 +12,7 @@ and a mirror of the executors' copy of it, so that plans can carry diffs:
 from __future__ import annotations
 
 from enum import IntEnum
+from operator import attrgetter
 
 from shared.messages import GenerationRequest, SamplingParams, TokenLogprob
 
@@ -29,6 +30,24 @@ def _shared_stop_ids(stop_token_ids: list[int]) -> frozenset[int]:
     return stops if shared is None else shared
 
 
+def _hot(column: str, own: str) -> property:
+    """A Sequence field kept in the lead's `column` while the seq is in the lead (lead.py),
+    else in its own slot `own`."""
+    get_own = attrgetter(own)
+
+    def get(seq: Sequence):
+        lead = seq.lead
+        return get_own(seq) if lead is None else getattr(lead, column)[seq.slot].item()
+
+    def put(seq: Sequence, value) -> None:
+        lead = seq.lead
+        if lead is None:
+            setattr(seq, own, value)
+        else:
+            getattr(lead, column)[seq.slot] = value
+    return property(get, put)
+
+
 class SequenceStatus(IntEnum):
     WAITING = 0      # not admitted yet, or preempted by recompute
     RUNNING = 1
@@ -39,29 +58,33 @@ class SequenceStatus(IntEnum):
 class Sequence:
     # NOTE: the fields every step reads and writes come first, so that they share the
     # object's first cache lines (at 1,024 running seqs the seqs no longer fit a core's L2).
-    __slots__ = ("token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_table",
-                 "num_tokens_sent", "num_blocks_sent", "num_blocks_synced",
+    # The fields a steady decode changes every step are properties (below): while the seq is
+    # in the running queue's lead (lead.py) they live in its columns, else in the _ slots.
+    __slots__ = ("_tokens", "_computed", "_scheduled", "block_table", "_sent",
+                 "num_blocks_sent", "num_blocks_synced", "lead", "slot",
                  "num_cached_blocks", "seq_id", "status", "group", "matcher",
-                 "cumulative_logprob", "logprobs", "sample_index", "prompt_len",
+                 "_cum", "logprobs", "sample_index", "prompt_len",
                  "block_hashes", "cache_chain_broken", "finish_reason", "stop_token_id")
 
     def __init__(self, seq_id: int, group: SequenceGroup | None, token_ids: list[int],
                  prompt_len: int, sample_index: int = 0) -> None:
         self.seq_id = seq_id
         self.group = group
-        self.token_ids = token_ids
+        self.lead = None       # the Lead whose columns hold the hot fields, or None
+        self.slot = -1         # the seq's row in them
+        self._tokens = token_ids
         self.prompt_len = prompt_len
         self.sample_index = sample_index
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0
-        self.num_scheduled_tokens = 0      # this step's chunk (0 when not scheduled)
+        self._computed = 0                 # num_computed_tokens
+        self._scheduled = 0                # num_scheduled_tokens: this step's chunk (or 0)
         # Prefix cache: chained hash of each full block of token_ids (extended lazily), and how
         # many leading blocks of the table are known to be registered in the cache.
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0
         self.cache_chain_broken = False     # a block could not be registered: stop trying
-        self.cumulative_logprob = 0.0
+        self._cum = 0.0                    # cumulative_logprob
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
@@ -69,7 +92,7 @@ class Sequence:
         # grammar state after this seq's output tokens; None when unconstrained.
         self.matcher = None
         # Mirror of the executors' state, kept by the plan builder (services/scheduler/plan.py):
-        self.num_tokens_sent = -1          # -1: the executors do not know this seq
+        self._sent = -1                    # num_tokens_sent; -1: the executors do not know it
         self.num_blocks_sent = 0           # length of their block table
         self.num_blocks_synced = 0         # leading entries of theirs equal to ours
 
@@ -84,6 +107,25 @@ class Sequence:
         self.num_tokens_sent = -1
         self.num_blocks_sent = self.num_blocks_synced = 0
         self.status = SequenceStatus.WAITING
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + output tokens (a lead seq's tokens of the last steps are joined first)."""
+        lead = self.lead
+        if lead is not None and lead.npend[self.slot]:
+            lead.flush(self.slot)
+        return self._tokens
+
+    @token_ids.setter
+    def token_ids(self, tokens: list[int]) -> None:
+        if self.lead is not None:
+            raise RuntimeError(f"seq {self.seq_id}: its tokens are replaced while in the lead")
+        self._tokens = tokens
+
+    num_computed_tokens = _hot("computed", "_computed")
+    num_scheduled_tokens = _hot("scheduled", "_scheduled")
+    num_tokens_sent = _hot("sent", "_sent")
+    cumulative_logprob = _hot("cum", "_cum")
 
     @property
     def num_output_tokens(self) -> int:

@@ -86,6 +86,20 @@ def _rows(plan) -> dict:
             "finished": sorted(plan.finished_seq_ids)}
 
 
+def _planned(requests, policy: str, num_gpu_blocks: int, aborts) -> tuple:
+    """simulate() in "auto" preemption mode with 60 CPU blocks, and every plan's _rows."""
+    from shared.messages import StepPlan
+    plans = []
+
+    def wire(msg):
+        if isinstance(msg, StepPlan):
+            plans.append(_rows(msg))
+        return msg
+    out = simulate(requests, config(preemption_mode="auto", policy=policy),
+                   num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=60, aborts=aborts, wire=wire)
+    return out, plans
+
+
 def test_the_decode_pass_plans_what_the_general_path_plans(monkeypatch):
     """BlockManager.decode_slots and PlanBuilder.add_decodes (the bulk of a step) against the
     general path alone (_schedule_group, allocate_slots, add), over a run with hundreds of
@@ -94,20 +108,9 @@ def test_the_decode_pass_plans_what_the_general_path_plans(monkeypatch):
     sequences, copies, swaps and dropped ids, every request ends with the same tokens, and
     the prefix cache and the stats end the same."""
     from services.scheduler.block_manager import BlockManager
-    from shared.messages import StepPlan
-
-    requests = REQUESTS[:600]
 
     def run():
-        plans = []
-
-        def wire(msg):
-            if isinstance(msg, StepPlan):
-                plans.append(_rows(msg))
-            return msg
-        out = simulate(requests, config(preemption_mode="auto", policy="priority"),
-                       num_gpu_blocks=90, num_cpu_blocks=60, aborts=ABORTS, wire=wire)
-        return out, plans
+        return _planned(REQUESTS[:600], "priority", 90, ABORTS)
 
     served = []
     real = BlockManager.decode_slots
@@ -123,11 +126,54 @@ def test_the_decode_pass_plans_what_the_general_path_plans(monkeypatch):
     assert fast.num_preemptions >= 50 and fast.swapped_out_blocks > 0
     rows = sum(len(p["rows"]) for p in fast_plans)
     assert rows > 10_000 and sum(served) > rows // 4     # a third of the rows: decode pass
+    _assert_same_runs(fast, fast_plans, general, general_plans)
+
+
+def _assert_same_runs(fast, fast_plans, general, general_plans) -> None:
+    """The same plans step by step, the same tokens per request, the blocks the decodes
+    filled in the prefix cache the same way, the same stats."""
     assert len(fast_plans) == len(general_plans)
     for step, (f, g) in enumerate(zip(fast_plans, general_plans)):
         assert f == g, step
     assert fast.results == general.results
-    # the blocks the decodes filled went into the prefix cache the same way
     pools = [run.scheduler.block_manager.gpu for run in (fast, general)]
     assert pools[0].cached == pools[1].cached and pools[0].num_evictions == pools[1].num_evictions
     assert fast.scheduler.stats() == general.scheduler.stats()
+
+
+PLAIN = [(t, r) for t, r in REQUESTS if r.sampling.n == 1 and r.sampling.beam_width == 0
+         and r.sampling.logprobs is None and r.sampling.prompt_logprobs is None]
+
+
+@pytest.mark.parametrize("plain,blocks,aborts,policy", [
+    (False, 90, True, "priority"), (False, 20_000, False, "fcfs"),
+    (True, 60, True, "priority"), (True, 20_000, False, "fcfs")])
+def test_the_lead_plans_what_the_per_seq_path_plans(monkeypatch, plain, blocks, aborts, policy):
+    """The running queue's lead (lead.py: steady decodes on columns) against the per-seq
+    path alone: on a pool that forces preemptions (swap and recompute, aborts, forks, beams,
+    prefix hits) and on one that never runs short, with every kind of request or only
+    plain ones (the lead's), every step's plan holds the same rows, new sequences, copies,
+    swaps and dropped ids, every request ends with the same tokens, logprobs and finish
+    reasons, and the prefix cache and the stats end the same."""
+    from services.scheduler.lead import Lead
+
+    def run():
+        return _planned(PLAIN if plain else REQUESTS[:600], policy, blocks,
+                        ABORTS if aborts else None)
+
+    led = []
+    real = Lead.schedule
+
+    def counted(self, step):
+        k = real(self, step)
+        led.append(k)
+        return k
+    monkeypatch.setattr(Lead, "schedule", counted)
+    fast, fast_plans = run()
+    monkeypatch.setattr(Lead, "extend", lambda self, running: None)
+    general, general_plans = run()
+    rows = sum(len(p["rows"]) for p in fast_plans)
+    # the lead stops at the first group it cannot take (n > 1, beams, logprobs): with
+    # every kind of request it runs a few rows in a hundred, with plain ones most of them
+    assert rows > 5_000 and sum(led) > (rows // 2 if plain else rows // 50)
+    _assert_same_runs(fast, fast_plans, general, general_plans)
