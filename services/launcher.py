@@ -540,7 +540,10 @@ class Stack:
         client = ExecutorClient(grpc_addr)
         # Rank 0 answers once every rank has joined the group and loaded its shard.
         self._wait("executor", ex, lambda: client.is_alive(1.0), a.startup_timeout)
-        sc = self._spawn("scheduler", common + ["scheduler"] + flags["scheduler"], env)
+        # NOTE: the scheduler uses numpy for columns (scheduler/lead.py), never its BLAS;
+        # OpenBLAS's own thread pool would only take CPU from the executor's threads.
+        sc = self._spawn("scheduler", common + ["scheduler"] + flags["scheduler"],
+                         {"OPENBLAS_NUM_THREADS": "1", **env})
         check = argparse.Namespace(**vars(a), service="scheduler")
         self._wait("scheduler", sc, lambda: _healthcheck(check) == 0, a.startup_timeout)
         gw = self._spawn("gateway", common + ["gateway"] + flags["gateway"], env)
