@@ -26,6 +26,7 @@ THIRD_PARTY_ENV = {
     "PIP_NO_CACHE_DIR": "pip", "PIP_DISABLE_PIP_VERSION_CHECK": "pip",
     "VIRTUAL_ENV": "venv activation", "PATH": "the shell", "DEBIAN_FRONTEND": "apt-get",
     "TRITON_CACHE_DIR": "Triton (compiled-kernel cache)",
+    "OPENBLAS_NUM_THREADS": "OpenBLAS (numpy's BLAS thread pool; the scheduler's is one thread)",
 }
 
 
