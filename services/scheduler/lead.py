@@ -9,7 +9,7 @@ what a decode reads and writes in slot-indexed columns, and a step's work over t
 few array operations:
 
     order        the lead's slots in queue order: running[:len(order)] are their groups
-    per slot     seq_id computed scheduled sent length last_token cum min_len max_len
+    per slot     seq_id computed scheduled length last_token cum min_len max_len
                  stops[STOPS] table_len last_block pend[PENDING] npend
 
 A lead seq's Sequence stays a true view: its hot fields are properties over these columns
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.scheduler.plan import _NO_BLOCKS
 from services.scheduler.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
@@ -40,9 +41,8 @@ if TYPE_CHECKING:
 
 STOPS = 4         # stop ids a lead seq may have (more: it takes the per-seq path)
 PENDING = 16      # sampled tokens kept in columns before they join the seq's list
-_INT_COLUMNS = ("seq_id", "computed", "scheduled", "sent", "length", "last_token",
+_INT_COLUMNS = ("seq_id", "computed", "scheduled", "length", "last_token",
                 "min_len", "max_len", "table_len", "last_block", "npend")
-_NO_BLOCKS: list[int] = []        # shared by every row without a new block: never append
 _sort_key = attrgetter("sort_key")
 
 
@@ -127,7 +127,6 @@ class Lead:
         self.seq_id[s] = seq.seq_id
         self.computed[s] = seq._computed
         self.scheduled[s] = 0
-        self.sent[s] = seq._sent
         self.length[s] = len(tokens)
         self.last_token[s] = tokens[-1]
         self.cum[s] = seq._cum
@@ -152,7 +151,7 @@ class Lead:
         seq.lead = None
         seq._computed = int(self.computed[s])
         seq._scheduled = int(self.scheduled[s])
-        seq._sent = int(self.sent[s])
+        seq._sent = int(self.computed[s] + self.scheduled[s])
         seq._cum = float(self.cum[s])
         self.seq_id[s] = -1
         self.free.append(s)
@@ -247,7 +246,6 @@ class Lead:
         n = pos + 1
         gpu.num_filled_slots += int((n - filled).sum())
         gpu.num_tokens_np[last] = n
-        self.sent[idx] = c + 1
         self.scheduled[idx] = 1
         step.add_lead(idx, self.seq_id[idx], c.tolist(), self.last_token[idx].tolist(), blocks)
         return k

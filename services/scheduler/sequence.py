@@ -122,9 +122,23 @@ class Sequence:
             raise RuntimeError(f"seq {self.seq_id}: its tokens are replaced while in the lead")
         self._tokens = tokens
 
+    @property
+    def num_tokens_sent(self) -> int:
+        """Tokens the executors hold (-1: none). A lead seq's are its computed ones plus
+        the one its step in flight appends (lead.py keeps no column for it)."""
+        lead = self.lead
+        if lead is None:
+            return self._sent
+        return int(lead.computed[self.slot] + lead.scheduled[self.slot])
+
+    @num_tokens_sent.setter
+    def num_tokens_sent(self, n: int) -> None:
+        if self.lead is not None:
+            raise RuntimeError(f"seq {self.seq_id}: its mirror is moved while in the lead")
+        self._sent = n
+
     num_computed_tokens = _hot("computed", "_computed")
     num_scheduled_tokens = _hot("scheduled", "_scheduled")
-    num_tokens_sent = _hot("sent", "_sent")
     cumulative_logprob = _hot("cum", "_cum")
 
     @property
