@@ -297,7 +297,12 @@ def _run_service(args) -> int:
         if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
             print(f"pagedserve scheduler: {too_old}", file=sys.stderr)
             return 2
-        return run(scheduler_config(args))
+        try:
+            config = scheduler_config(args)
+        except ValueError as exc:            # a setting the user can fix: no traceback
+            print(f"pagedserve scheduler: {exc}", file=sys.stderr)
+            return 2
+        return run(config)
     elif args.command == "gateway":
         if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
             print(f"pagedserve gateway: {too_old}", file=sys.stderr)
@@ -668,6 +673,11 @@ def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def _serve(args) -> int:
+    try:
+        scheduler_config(args)              # its settings are checked before anything starts
+    except ValueError as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
     stack = Stack(args)
     stopping = False
 

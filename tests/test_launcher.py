@@ -35,6 +35,21 @@ def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kin
     assert lines[0].startswith(f"pagedserve {argv[0]}: error: ")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["scheduler", "--preemption-mode", "sometimes"], "preemption_mode must be one of"),
+    (["serve", "--policy", "lifo"], "policy must be one of"),
+])
+def test_a_bad_scheduler_setting_is_one_line_with_status_2_before_anything_starts(argv,
+                                                                                   message):
+    done = launch(*argv)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert lines[0].startswith("pagedserve scheduler: " if argv[0] == "scheduler"
+                               else "pagedserve: ")
+
+
 def test_a_flag_wins_over_a_malformed_env_value(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_PORT", "abc")
     assert build_parser().parse_args(["gateway", "--port", "8123"]).port == 8123
