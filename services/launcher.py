@@ -79,6 +79,9 @@ _SCHEDULER = [
     ("--preemption-mode", "PAGEDSERVE_PREEMPTION_MODE", "auto", str, "auto | swap | recompute"),
     ("--policy", "PAGEDSERVE_POLICY", "fcfs", str, "fcfs | priority"),
     ("--no-prefix-caching", "PAGEDSERVE_NO_PREFIX_CACHING", False, "flag", "disable prefix caching"),
+    ("--async-scheduling", "PAGEDSERVE_ASYNC_SCHEDULING", "auto", str,
+     "auto | on | off: plan the next step while the executor runs the current one "
+     "(auto: when the executor runs on an accelerator)"),
     ("--contiguous", "PAGEDSERVE_CONTIGUOUS", False, "flag",
      "baseline: reserve max-model-len slots per request up front"),
     ("--metrics-host", "PAGEDSERVE_METRICS_HOST", "127.0.0.1", str,

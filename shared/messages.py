@@ -192,7 +192,9 @@ class StepPlan:
 
     Per row, applied first: append its `num_append_tokens[r]` tokens of `append_token_ids`
     (tokens added since the executors last saw the seq: for a decode, the token sampled in
-    the step before; `appended_per_row()` splits them), then the block-table diff: truncate
+    the step before; `appended_per_row()` splits them; a decode's one token may be -1: the
+    token the executor sampled for that seq in its last step, for a plan sent before that
+    step's result came back, services/scheduler/ahead.py), then the block-table diff: truncate
     to `block_keep` entries (-1: keep all),
     then append `block_append`. That covers growth (append), copy-on-write of the last block
     (keep len-1, append the copy) and swap-in (keep 0, append the new table). Then the row

@@ -31,7 +31,7 @@ import msgpack
 # the encoded size (`oversized`) and fails the step instead of sending. Both sides read
 # the same variable (a test sets a small limit).
 MAX_MESSAGE_BYTES = int(os.environ.get("PAGEDSERVE_MAX_MESSAGE_BYTES") or 64 << 20)
-WIRE_VERSION = 5     # raised whenever a message changes its fields or their meaning
+WIRE_VERSION = 6     # raised whenever a message changes its fields or their meaning
 
 T = TypeVar("T")
 

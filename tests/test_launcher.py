@@ -37,7 +37,9 @@ def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kin
 
 @pytest.mark.parametrize("argv, message", [
     (["scheduler", "--preemption-mode", "sometimes"], "preemption_mode must be one of"),
+    (["scheduler", "--async-scheduling", "maybe"], "async_scheduling must be auto, on or off"),
     (["serve", "--policy", "lifo"], "policy must be one of"),
+    (["serve", "--async-scheduling", "maybe"], "async_scheduling must be auto, on or off"),
 ])
 def test_a_bad_scheduler_setting_is_one_line_with_status_2_before_anything_starts(argv,
                                                                                    message):

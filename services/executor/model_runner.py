@@ -56,6 +56,9 @@ class SeqState:
     # chunk; reported with the chunk that computes that position.
     pending_prompt_lp: TokenLogprob | None = None
     pending_pos: int = -1
+    # The token this rank sampled for it in its last step (-1: none, or that step failed):
+    # a plan planned ahead appends -1 for it (shared/messages.py, StepPlan).
+    last_sampled: int = -1
 
 
 class ModelRunner:
@@ -136,6 +139,8 @@ class ModelRunner:
         except Exception as exc:  # one bad plan must not take the executor down
             log.exception("step %s failed", plan.step_id)
             kind = "invalid plan" if isinstance(exc, PlanError) else type(exc).__name__
+            for st in self.seqs.values():    # a plan planned ahead of this one fails too
+                st.last_sampled = -1
             if self.group.size > 1 and not isinstance(exc, PlanError):
                 # Every rank checks a plan the same way, but a failure past the checks (a
                 # lost peer, out of memory on one rank) leaves the ranks out of step.
@@ -193,6 +198,11 @@ class ModelRunner:
         if st is None:
             raise PlanError(f"seq {seq_id} is scheduled but unknown to the executor "
                             "(send it as NewSeq first)")
+        if append and append[0] < 0:
+            if len(append) != 1 or st.last_sampled < 0:
+                raise PlanError(f"seq {seq_id}: token -1 stands for the token this executor "
+                                "sampled for it in its last step, and it sampled none")
+            append = [st.last_sampled]
         st.token_ids.extend(append)
         if keep >= 0:
             del st.block_table[keep:]
@@ -271,6 +281,8 @@ class ModelRunner:
         if self.keep_logits:
             self.last_logits = {sid: logits[i].cpu()
                                 for i, sid in enumerate(plan.seq_ids[:len(states)])}
+        for st, token in zip(states, res.token_ids):
+            st.last_sampled = token
         top = res.top if any(res.top) else []
         return StepResult(plan.step_id, res.token_ids, res.logprobs, top)
 

@@ -199,9 +199,16 @@ class Lead:
         self.npend[s] = 0
 
     # ------------------------------------------------------------ a step
-    def schedule(self, step: PlanBuilder) -> int:
+    def schedule(self, step: PlanBuilder, ahead: list | None = None) -> int:
         """Put the lead's decodes into `step`, in queue order, within its budget and the free
-        blocks (as decode_slots + add_decodes would). Returns how many were scheduled."""
+        blocks (as decode_slots + add_decodes would). Returns how many were scheduled.
+
+        `ahead` (a list): the step is planned while the one before it runs (async scheduling,
+        ahead.py): each seq's input is the token that step samples, unknown yet, so its row
+        carries the placeholder -1 (shared/messages.py, StepPlan), a block it fills goes
+        into `ahead` as (seq, tokens) to be registered in the prefix cache once that token
+        is known, instead of now, and seqs that reach their length with that step get no
+        row. Returns the rows written then, which need not be a prefix of the lead."""
         k = min(len(self.order), step.budget)
         if k <= 0:
             return 0
@@ -209,7 +216,15 @@ class Lead:
         bm = self.bm
         gpu = bm.gpu
         idx = self.order[:k]
+        if ahead is not None:
+            # A seq that reaches its length with the step in flight ends with it: no row.
+            idx = idx[self.length[idx] + 1 < self.max_len[idx]]
+            k = len(idx)
+            if not k:
+                return 0
         c = self.computed[idx]
+        if ahead is not None:
+            c = c + self.scheduled[idx]
         pos = c % bs
         new = c // bs == self.table_len[idx]
         blocks = [_NO_BLOCKS] * k
@@ -232,7 +247,10 @@ class Lead:
                     opened.append((s, b))
                     blocks[p] = [b]
                 if (c_p + 1) % bs == 0:
-                    bm.cache_computed_blocks(seq, c_p + 1)
+                    if ahead is None:
+                        bm.cache_computed_blocks(seq, c_p + 1)
+                    else:
+                        ahead.append((seq, c_p + 1))
             if opened:
                 s_opened, b_opened = zip(*opened)
                 self.table_len[list(s_opened)] += 1
@@ -246,8 +264,13 @@ class Lead:
         n = pos + 1
         gpu.num_filled_slots += int((n - filled).sum())
         gpu.num_tokens_np[last] = n
-        self.scheduled[idx] = 1
-        step.add_lead(idx, self.seq_id[idx], c.tolist(), self.last_token[idx].tolist(), blocks)
+        if ahead is None:
+            self.scheduled[idx] = 1
+            tokens = self.last_token[idx].tolist()
+        else:
+            self.scheduled[idx] += 1
+            tokens = [-1] * k
+        step.add_lead(idx, self.seq_id[idx], c.tolist(), tokens, blocks)
         return k
 
     def apply(self, slots: np.ndarray, seq_ids: np.ndarray, token_ids: list[int],
@@ -268,7 +291,7 @@ class Lead:
                 slots[out].tolist(), tokens[out].tolist(), lps[out].tolist())]
             slots, tokens, lps = slots[live], tokens[live], lps[live]
         self.computed[slots] += 1
-        self.scheduled[slots] = 0
+        self.scheduled[slots] -= 1        # 1 left when the next step was planned ahead
         cum = self.cum[slots] + lps
         self.cum[slots] = cum
         length = self.length[slots]

@@ -72,6 +72,10 @@ class _StatsCollector:
                       s.swapped_out_blocks_total)
         yield counter("pagedserve:swapped_in_blocks", "Blocks moved CPU -> GPU.",
                       s.swapped_in_blocks_total)
+        yield counter("pagedserve:steps", "Model steps planned.", s.steps_total)
+        yield counter("pagedserve:steps_planned_ahead",
+                      "Steps planned while the step before ran (async scheduling).",
+                      s.steps_planned_ahead_total)
 
 
 class LatencyHistogram:

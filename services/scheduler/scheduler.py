@@ -27,7 +27,7 @@ import itertools
 from bisect import insort
 from operator import attrgetter
 
-from services.scheduler import outputs
+from services.scheduler import ahead, outputs
 from services.scheduler.admission import AdmissionError, check_admission
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_manager import BlockManager
@@ -69,9 +69,9 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []             # sorted by sort_key
         self.num_running_seqs = 0     # seq slots held by running groups (a group holds its max)
         self._pending_finished: list[int] = []   # seq ids the executors must drop next plan
-        # The plan in flight: (step id, its lead rows' (slots, seq ids) or None, the Sequence
-        # of each row after them, seqs swapped out by it).
-        self._inflight: tuple[int, tuple | None, list[Sequence], list[Sequence]] | None = None
+        # The plans in flight, oldest first (ahead.py): (step id, lead rows' (slots, seq ids)
+        # or None, each later row's Sequence, seqs swapped out, registrations put off).
+        self._inflight: list[tuple] = []
         self._step_id = 0
         self.seq_ids = itertools.count()    # a new Sequence's id
         self._orders = itertools.count()    # queue order: (priority, fair start, arrival)
@@ -83,6 +83,7 @@ class Scheduler:
         self._admit_below: tuple | None = None
         self._held_last = False       # the last step was a first-token step (fairness.py)
         self.num_preemptions = self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.num_planned_ahead = 0    # steps planned while the one before ran (ahead.py)
         self.prompt_tokens_total = self.generation_tokens_total = 0
 
     # ------------------------------------------------------------------ requests
@@ -153,7 +154,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Build the next step. None when there is nothing to run (then seq ids to drop wait
         for the next plan). Raises RuntimeError if the previous plan was not update()d."""
-        if self._inflight is not None:
+        if self._inflight:
             raise RuntimeError("schedule() called again before update() of the previous plan")
         step = PlanBuilder(self.block_manager, self.config.max_num_batched_tokens,
                            self._pending_finished, self.num_constrained > 0)
@@ -177,8 +178,8 @@ class Scheduler:
             return None
         self._step_id += 1
         plan, seqs = step.build(self._step_id)
-        self._inflight = (self._step_id, step.lead and step.lead[:2], seqs,
-                          step.swapped_out_seqs)
+        self._inflight.append((self._step_id, step.lead and step.lead[:2], seqs,
+                               step.swapped_out_seqs, None))
         return plan
 
     def _first_token_step(self, step: PlanBuilder) -> bool:
@@ -375,19 +376,18 @@ class Scheduler:
         """Apply a step's result (outputs.py). Returns the news of every request that has
         some (new tokens, a finish), columnar. A step that failed (its `error`, or a result
         that does not fit the plan) fails the requests it ran or moved, and only those."""
-        if self._inflight is None or self._inflight[0] != plan.step_id:
+        if not self._inflight or self._inflight[0][0] != plan.step_id:
             raise ValueError(f"update() for step {plan.step_id}, but the plan in flight is "
-                             f"{self._inflight[0] if self._inflight else None}")
+                             f"{self._inflight[0][0] if self._inflight else None}")
         if result.step_id != plan.step_id:
             raise ValueError(f"the result of step {result.step_id} does not answer step "
                              f"{plan.step_id}")
-        _, lead_rows, seqs, swapped_out = self._inflight
-        self._inflight = None
+        _, lead_rows, seqs, swapped_out, _ = self._inflight.pop(0)
         error = outputs.result_error(plan, result)
-        if error is not None:
-            led = self.lead.seqs_of(lead_rows[0]) if lead_rows else []
-            return outputs.fail_step(self, led + seqs + swapped_out, error)
-        return outputs.apply_result(self, plan, seqs, result, lead_rows)
+        if error is None:
+            return ahead.register(self, outputs.apply_result(self, plan, seqs, result, lead_rows))
+        led = self.lead.seqs_of(lead_rows[0]) if lead_rows else []
+        return ahead.register(self, outputs.fail_step(self, led + seqs + swapped_out, error))
 
     def fail_unsent(self, plan: StepPlan, error: str) -> outputs.StepOutputs:
         """The plan in flight could not be sent: its requests fail as in a failed step (see
@@ -430,7 +430,7 @@ class Scheduler:
         far, as after a preemption by recompute; the plan in flight is forgotten."""
         self.lead.cut(0)
         self._new_pool(num_gpu_blocks, num_cpu_blocks)
-        self._inflight = None
+        self._inflight.clear()
         self._pending_finished = []
         self.running, self.swapped, self.num_running_seqs = [], [], 0
         for group in self.groups.values():
@@ -446,5 +446,5 @@ class Scheduler:
         self.watermark_blocks = int(self.config.watermark * num_gpu_blocks)
         self.lead = Lead(self.block_manager)
 
-    # ------------------------------------------------------------------ figures
+    schedule_ahead = ahead.schedule_ahead    # -> StepPlan | None (ahead.py)
     stats = scheduler_stats      # -> SchedulerStats (stats.py)

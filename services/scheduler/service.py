@@ -76,6 +76,16 @@ class SchedulerServiceConfig:
     # recomputed this many times; one more loss ends it with an error (a request that makes
     # every step fail, or a sticky device error, must not be retried forever).
     max_step_retries: int = 2
+    # Plan the next step while the executor runs the current one when only steady decodes
+    # run (ahead.py): "on", "off", or "auto": on when the executor's device is not the CPU
+    # (a CPU forward shares its cores with this process: planning beside it slows it,
+    # docs/overhead.md). An executor of several ranks always waits for each result.
+    async_scheduling: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got "
+                             f"{self.async_scheduling!r}")
 
 
 def _ended(request: GenerationRequest, reason: str, error: str | None = None,
@@ -110,6 +120,8 @@ class SchedulerService:
         self._last_metrics = 0.0
         self._next_reclaim = time.monotonic() + 5.0
         self.plan: StepPlan | None = None        # the plan in flight
+        self.ahead: StepPlan | None = None       # the one after it, planned and sent ahead
+        self.plans_ahead = False                 # async scheduling with this executor
         self.owner = Ownership(self.executor, config.name)
         self.recovery = Recovery(self)
         self.dashboard = DashboardPublisher(self.link.redis, self.link.keys, config.name)
@@ -122,6 +134,9 @@ class SchedulerService:
         self.owner.take(info.instance_id)
         self.pool = (int(info.num_gpu_blocks), int(info.num_cpu_blocks))
         self.dashboard.tp = max(1, info.tensor_parallel_size)
+        mode = self.config.async_scheduling
+        self.plans_ahead = self.dashboard.tp == 1 and (
+            mode == "on" or mode == "auto" and not info.device.startswith("cpu"))
         if self.sched is None:
             core = replace(self.config.core, block_size=info.block_size,
                            max_model_len=min(self.config.core.max_model_len,
@@ -177,7 +192,7 @@ class SchedulerService:
                 try:
                     self._iterate()
                 except ExecutorLost as exc:
-                    plan, self.plan = self.plan, None
+                    plan, self.plan, self.ahead = self.plan, None, None
                     self.recovery.recover(plan, str(exc), executor_alive=False)
             except (ExecutorTaken, ClaimLost) as exc:
                 # Another scheduler owns the executor, or took over this one's requests:
@@ -209,6 +224,33 @@ class SchedulerService:
         if time.monotonic() > self._next_reclaim:
             self._next_reclaim = time.monotonic() + 5.0
             self.recovery.reclaim_pending()
+        if self.ahead is not None:               # sent while the plan before it ran
+            plan, self.ahead = self.ahead, None
+        else:
+            plan = self._schedule_and_send()
+            if plan is None:
+                return
+        self.plan = plan
+        if self.plans_ahead:
+            self.ahead = self._send_ahead()
+        self._redis_round(block_ms=0)
+        result = self._recv_result(plan)
+        error = result_error(plan, result)
+        if error is not None:
+            # The KV state of what the step ran is unknown: start over by recompute, and
+            # end only the requests of this step that have used up their retries. (A plan
+            # refused as fenced: Ownership.check raises when another scheduler owns it.)
+            # A plan sent ahead of it is forgotten with the rest of the core's state.
+            self.plan = self.ahead = None
+            self.recovery.recover(plan, error, executor_alive=self.owner.check())
+            return
+        self.plan = None
+        self.publish(self.sched.update(plan, result).encoded())
+        self._apply_inbox()
+
+    def _schedule_and_send(self) -> StepPlan | None:
+        """Plan the next step once the one before is applied, and send it. None when there
+        is nothing to run or the plan could not be sent (then this iteration is over)."""
         plan = self.sched.schedule()
         if self.sched.refused:                   # a grammar that failed to compile
             self.emit(self.sched.refused)
@@ -219,10 +261,9 @@ class SchedulerService:
                 raise ExecutorLost(f"executor {self.config.executor} stopped answering")
             self._redis_round(block_ms=500)
             self._apply_inbox()
-            return
+            return None
         self._note_scheduled(plan)
         plan.fence = self.owner.fence
-        self.plan = plan
         data = encode(plan)
         too_big = oversized(data, f"the plan of step {plan.step_id}")
         if too_big is not None:
@@ -230,24 +271,22 @@ class SchedulerService:
             # the executors' state is untouched, so the requests of this step fail, the
             # others run on. Retrying would build the same plan.
             log.error("%s; failing its requests", too_big)
-            self.plan = None
             self.publish(self.sched.fail_unsent(plan, too_big).encoded())
             self._apply_inbox()
-            return
+            return None
         self.executors.send(data)
-        self._redis_round(block_ms=0)
-        result = self._recv_result(plan)
-        error = result_error(plan, result)
-        if error is not None:
-            # The KV state of what the step ran is unknown: start over by recompute, and
-            # end only the requests of this step that have used up their retries. (A plan
-            # refused as fenced: Ownership.check raises when another scheduler owns it.)
-            self.plan = None
-            self.recovery.recover(plan, error, executor_alive=self.owner.check())
-            return
-        self.plan = None
-        self.publish(self.sched.update(plan, result).encoded())
-        self._apply_inbox()
+        return plan
+
+    def _send_ahead(self) -> StepPlan | None:
+        """Plan the step after the one in flight and send it, so that the executor starts it
+        as soon as it is done (ahead.py); None when the next step must wait for the result.
+        (An ahead plan is one decode row per seq of the plan in flight and the ids to drop:
+        under 30 bytes a seq, against MAX_MESSAGE_BYTES' 64 MiB.)"""
+        plan = self.sched.schedule_ahead()
+        if plan is not None:
+            plan.fence = self.owner.fence
+            self.executors.send(encode(plan))
+        return plan
 
     def stop(self) -> None:
         self.stopping = True

@@ -30,6 +30,8 @@ class SchedulerStats:
     prefix_cache_hits: int           # prompt tokens found
     prompt_tokens_total: int         # prompt positions computed (recomputation included)
     generation_tokens_total: int     # tokens sampled
+    steps_total: int                 # plans built
+    steps_planned_ahead_total: int   # of them, planned while the step before ran (ahead.py)
 
 
 def scheduler_stats(sched: Scheduler) -> SchedulerStats:
@@ -52,4 +54,5 @@ def scheduler_stats(sched: Scheduler) -> SchedulerStats:
         prefix_cache_queries=sched.prefix_cache_queries,
         prefix_cache_hits=sched.prefix_cache_hits,
         prompt_tokens_total=sched.prompt_tokens_total,
-        generation_tokens_total=sched.generation_tokens_total)
+        generation_tokens_total=sched.generation_tokens_total,
+        steps_total=sched._step_id, steps_planned_ahead_total=sched.num_planned_ahead)

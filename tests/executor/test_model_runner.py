@@ -313,3 +313,30 @@ def test_cpu_refuses_float16_with_a_hint(tiny_llama):
 
     with pytest.raises(ExecutorConfigError, match="float16 is not supported on the CPU"):
         tiny_runner(tiny_llama[0], dtype="float16")
+
+
+def test_a_decode_planned_ahead_takes_the_token_the_executor_sampled_last(tiny):
+    """-1 as a decode's appended token (a plan sent before the step before it answered,
+    services/scheduler/ahead.py) is the token this executor sampled for the seq in its last
+    step: the same tokens as the scheduler's own; a seq with no sample yet, or after a
+    failed step, gets a clear error instead of a made-up token."""
+    r, _ = tiny
+    want = _generate(r, 6)
+    res = r.execute(step_plan(0, [NewSeq(1, "r", PROMPT, len(PROMPT), list(range(6)), GREEDY)],
+                              [Row(1, 0, len(PROMPT))]))
+    got = [res.token_ids[0]]
+    for i in range(5):
+        res = r.execute(step_plan(i + 1, rows=[Row(1, len(PROMPT) + i, 1, [-1])]))
+        assert res.error is None, res.error
+        got.append(res.token_ids[0])
+    assert got == want
+    assert r.seqs[1].token_ids == PROMPT + want[:-1]
+    failed = r.execute(step_plan(7, rows=[Row(1, 0, 99)]))     # a failed step ...
+    assert failed.error is not None
+    after = r.execute(step_plan(8, rows=[Row(1, len(PROMPT) + 5, 1, [-1])]))
+    assert "sampled none" in after.error                    # ... leaves nothing to stand for
+    r.execute(StepPlan(9, finished_seq_ids=[1]))
+    fresh = r.execute(step_plan(10, [NewSeq(2, "r", PROMPT, len(PROMPT), [0, 1, 2], GREEDY)],
+                                [Row(2, 0, 1, [-1])], sampling=0))
+    assert "sampled none" in fresh.error and "Traceback" not in fresh.error
+    r.execute(StepPlan(11, finished_seq_ids=[2]))

@@ -32,6 +32,8 @@ class _Seq:
     sampling: SamplingParams
     sample_index: int
     computed: int          # positions this executor has written (or was told are cached)
+    last: int = -1         # the token sampled for it in its last step (a -1 appended stands
+                           # for it: a plan planned ahead, services/scheduler/ahead.py)
 
 
 def _mix(x: int) -> int:
@@ -107,6 +109,11 @@ class FakeExecutor:
             seq = self.seqs.get(sid)
             if seq is None:
                 raise PlanError(f"step {plan.step_id}: scheduled unknown seq {sid}")
+            if append and append[0] < 0:
+                if len(append) != 1 or seq.last < 0:
+                    raise PlanError(f"step {plan.step_id}: seq {sid} appends {append}, but "
+                                    "it sampled nothing in its last step")
+                append = [seq.last]
             seq.tokens.extend(append)
             if keep >= 0:
                 del seq.table[keep:]
@@ -166,6 +173,7 @@ class FakeExecutor:
                     token = script[len(seq.tokens) - seq.prompt_len]
                 if sp.logprobs:
                     top = candidates(ctx, sp.logprobs)
+            seq.last = token
             result.token_ids.append(token)
             result.logprobs.append(logprob)
             result.top.append(top)

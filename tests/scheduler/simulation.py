@@ -36,6 +36,7 @@ class SimRun:
     swapped_out_blocks: int
     prefix_hits: int
     scheduler: Scheduler
+    planned_ahead: int = 0       # plans made while the plan before them ran (ahead.py)
 
 
 def make_requests(num: int, seed: int, max_prompt: int = 48, max_new: int = 24,
@@ -95,10 +96,14 @@ def _collect(results: dict[str, RequestResult], outputs: list[RequestOutput]) ->
 
 def simulate(requests: list[tuple[int, GenerationRequest]], config: SchedulerConfig,
              num_gpu_blocks: int, num_cpu_blocks: int, aborts: dict[str, int] | None = None,
-             max_steps: int = 1_000_000, wire: Callable[[Any], Any] | None = None) -> SimRun:
+             max_steps: int = 1_000_000, wire: Callable[[Any], Any] | None = None,
+             ahead: bool = False) -> SimRun:
     """Run every request to the end. `aborts`: request id -> steps after its arrival at which
     the driver aborts it (whatever state it is in then). `wire`: applied to every plan,
-    result and output on its way, as a process boundary would (e.g. an encode/decode)."""
+    result and output on its way, as a process boundary would (e.g. an encode/decode).
+    `ahead`: async scheduling as the scheduler service does it: after a plan goes out, the
+    next one is planned ahead when the core allows (Scheduler.schedule_ahead), and the
+    arrivals and aborts of a step are applied while that one is in flight."""
     wire = wire or (lambda msg: msg)
     sched = Scheduler(config, num_gpu_blocks, num_cpu_blocks)
     ex = FakeExecutor(num_gpu_blocks, num_cpu_blocks, config.block_size)
@@ -107,8 +112,8 @@ def simulate(requests: list[tuple[int, GenerationRequest]], config: SchedulerCon
     for arrival, req in requests:
         if aborts and req.request_id in aborts:
             abort_at.setdefault(arrival + aborts[req.request_id], []).append(req.request_id)
-    i, step = 0, 0
-    while i < len(requests) or sched.has_unfinished():
+    i, step, sent_ahead, planned_ahead = 0, 0, None, 0
+    while i < len(requests) or sched.has_unfinished() or sent_ahead is not None:
         while i < len(requests) and requests[i][0] <= step:
             sched.add_request(requests[i][1])
             i += 1
@@ -116,9 +121,14 @@ def simulate(requests: list[tuple[int, GenerationRequest]], config: SchedulerCon
             out = sched.abort_request(rid)
             if out is not None:
                 _collect(results, [wire(out)])
-        plan = sched.schedule()
+        plan, sent_ahead = (sched.schedule(), None) if sent_ahead is None else (sent_ahead, None)
         if plan is not None:
             plan = wire(plan)
+            if ahead:
+                sent_ahead = sched.schedule_ahead()
+                if sent_ahead is not None:
+                    planned_ahead += 1
+                    sent_ahead = wire(sent_ahead)
             outputs = sched.update(plan, wire(ex.execute(plan))).request_outputs()
             _collect(results, [wire(o) for o in outputs])
         step += 1
@@ -126,4 +136,4 @@ def simulate(requests: list[tuple[int, GenerationRequest]], config: SchedulerCon
             raise AssertionError("the scheduler stopped making progress")
     st = sched.stats()
     return SimRun(results, step, st.num_preemptions, st.swapped_out_blocks_total,
-                  st.prefix_cache_hits, sched)
+                  st.prefix_cache_hits, sched, planned_ahead)
