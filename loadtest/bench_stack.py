@@ -10,22 +10,38 @@ exactly --output-tokens each) are sent at once, and output tok/s = B x output to
 time; TPOT is per request, (last token - first token) / (output tokens - 1), p50.
 
   paged       `pagedserve serve` (Redis, gateway, scheduler, executor), paged KV blocks
+  async       paged with --async-scheduling on: while only steady decodes run, each step
+              is planned and sent while the one before runs (services/scheduler/ahead.py);
+              paged has the default, auto: on with a GPU executor, off with a CPU one
+  sync        paged with --async-scheduling off: every step waits for the result of the
+              one before
   contiguous  the same stack with --contiguous: every request reserves --max-model-len
               tokens of KV up front, as servers did before PagedAttention
   inprocess   services.engine.OfflineEngine: the scheduler driving the executor in one
               process, no Redis / HTTP / ZeroMQ (what the stack costs is the gap)
 
-All three get the same KV pool, --kv-tokens (default 16 x --max-model-len): contiguous
+All of them get the same KV pool, --kv-tokens (default 16 x --max-model-len): contiguous
 reservations fit 16 requests at a time, paged blocks fit the batch the prompts need. One
 stack per system serves every batch (--max-num-seqs = the largest batch).
+
+--pin (a CPU stand-in for an accelerator): the executor runs one thread on core 0 alone,
+every other process of the stack and the clients run on the other cores, so the host's
+work (scheduler, Redis, gateway) never slows the forward, as with a GPU.
+
+For the stacks, `executor_idle` is the share of the batch's wall time the executor spent
+waiting for its next plan (its Health reply counts the seconds it spent on plans), and
+`planned_ahead` the share of steps planned while the step before ran (the scheduler's
+`pagedserve:steps_planned_ahead_total` over `pagedserve:steps_total`, from /metrics).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
+from shared.control import ExecutorClient  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
 
 
@@ -64,17 +81,38 @@ def figures(wall: float, spans: list[tuple[float, float]], batch: int, out_token
             "ttft_ms_p50": 1000 * statistics.median(f for f, _ in spans), "wall_s": wall}
 
 
-def run_stack(args, prompts: dict[int, list], contiguous: bool) -> dict:
+def _steps(url: str) -> tuple[float, float]:
+    """(steps planned, of them planned ahead) so far, from the gateway's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("pagedserve:steps_total", "pagedserve:steps_planned_ahead_total"):
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return (values.get("pagedserve:steps_total", 0.0),
+            values.get("pagedserve:steps_planned_ahead_total", 0.0))
+
+
+def run_stack(args, prompts: dict[int, list], system: str) -> dict:
     argv = ["serve", "--port", str(free_port()), "--grpc-port", str(free_port()),
             "--zmq-port", str(free_ports(2)), "--model", args.model, "--device", args.device,
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--num-gpu-blocks", str(args.kv_tokens // args.block_size),
             "--block-size", str(args.block_size), "--max-num-seqs", str(max(prompts)),
             "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning",
-            "--max-queue", "100000"] + (["--contiguous"] if contiguous else [])
+            "--max-queue", "100000"]
+    if system == "contiguous":
+        argv.append("--contiguous")
+    elif system in ("async", "sync"):
+        argv += ["--async-scheduling", "on" if system == "async" else "off"]
+    if args.pin:
+        argv += ["--num-threads", "1"]
     out = {}
     with Stack(build_parser().parse_args(argv)) as stack:
         url = stack.start()
+        executor = ExecutorClient(stack.args.executor)      # the port the stack chose
+        if args.pin:
+            _pin(stack)
 
         async def go(batch_prompts):
             async with httpx.AsyncClient(base_url=url, timeout=1800,
@@ -86,10 +124,32 @@ def run_stack(args, prompts: dict[int, list], contiguous: bool) -> dict:
                 return spans, time.perf_counter() - t0
 
         for batch, ps in prompts.items():
+            time.sleep(0.5)                   # the scheduler's metrics are 0.2 s fresh
+            steps0 = _steps(url)
+            busy0, t0 = executor.health(timeout=10).busy_s, time.perf_counter()
             spans, wall = asyncio.run(go(ps))
+            busy1, t1 = executor.health(timeout=10).busy_s, time.perf_counter()
+            time.sleep(0.5)
+            steps1 = _steps(url)
             out[batch] = figures(wall, spans, batch, args.output_tokens)
-            _say(args, "contiguous" if contiguous else "paged", batch, out[batch])
+            out[batch]["executor_idle"] = 1 - (busy1 - busy0) / (t1 - t0)
+            out[batch]["planned_ahead"] = ((steps1[1] - steps0[1])
+                                           / max(1.0, steps1[0] - steps0[0]))
+            _say(args, system, batch, out[batch])
     return out
+
+
+def _pin(stack) -> None:
+    """The executor (every thread) on core 0; the rest of the stack and this process on
+    the other cores."""
+    others = sorted(os.sched_getaffinity(0) - {0})
+    if not others:
+        raise SystemExit("--pin needs two cores or more")
+    rest = ",".join(map(str, others))
+    for name, proc in stack.procs:
+        subprocess.run(["taskset", "-a", "-cp", "0" if name == "executor" else rest,
+                        str(proc.pid)], check=True, capture_output=True)
+    os.sched_setaffinity(0, others)
 
 
 def run_inprocess(args, prompts: dict[int, list]) -> dict:
@@ -122,7 +182,9 @@ def run_inprocess(args, prompts: dict[int, list]) -> dict:
 
 def _say(args, system: str, batch: int, f: dict) -> None:
     print(f"{system:10s} batch {batch:4d}: {f['tok_s']:9.1f} output tok/s, TPOT p50 "
-          f"{f['tpot_ms_p50']:7.2f} ms, TTFT p50 {f['ttft_ms_p50']:8.1f} ms",
+          f"{f['tpot_ms_p50']:7.2f} ms, TTFT p50 {f['ttft_ms_p50']:8.1f} ms"
+          + (f", executor idle {f['executor_idle']:.1%}, planned ahead "
+             f"{f['planned_ahead']:.0%}" if "executor_idle" in f else ""),
           file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
@@ -133,7 +195,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="16,64,128,256")
-    ap.add_argument("--systems", default="paged,contiguous,inprocess")
+    ap.add_argument("--systems", default="paged,contiguous,inprocess",
+                    help="of paged, async, sync, contiguous, inprocess")
     ap.add_argument("--prompt-len", default="64,320", help="LO,HI tokens (uniform)")
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -142,6 +205,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pin", action="store_true",
+                    help="stacks only: the executor alone on core 0 with one thread")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.kv_tokens = args.kv_tokens or 16 * args.max_model_len
@@ -158,15 +223,22 @@ def main() -> None:
     systems = args.systems.split(",")
     for system in systems:
         res[system] = (run_inprocess(args, prompts) if system == "inprocess"
-                       else run_stack(args, prompts, system == "contiguous"))
+                       else run_stack(args, prompts, system))
+    # paged plans ahead too with a GPU executor (auto): then it is the async side
+    ahead = res.get("async")
+    if ahead is None and any(f["planned_ahead"] > 0 for f in res.get("paged", {}).values()):
+        ahead = res["paged"]
     for batch in prompts:
         if "paged" in res and "contiguous" in res:
             res.setdefault("paged_over_contiguous", {})[batch] = (
                 res["paged"][batch]["tok_s"] / res["contiguous"][batch]["tok_s"])
+        if ahead and "sync" in res:
+            res.setdefault("async_over_sync", {})[batch] = (
+                ahead[batch]["tok_s"] / res["sync"][batch]["tok_s"])
         if "paged" in res and "inprocess" in res:
             res.setdefault("stack_over_inprocess", {})[batch] = (
                 res["paged"][batch]["tok_s"] / res["inprocess"][batch]["tok_s"])
-    for key in ("paged_over_contiguous", "stack_over_inprocess"):
+    for key in ("paged_over_contiguous", "async_over_sync", "stack_over_inprocess"):
         if key in res:
             print(f"{key}: " + ", ".join(f"batch {b} {v:.2f}x" for b, v in res[key].items()),
                   file=sys.stderr if args.json else sys.stdout)

@@ -17,11 +17,13 @@
 #                  model, bf16 and fp32, CUDA graphs on -> bench_executor_gpu.json
 #   executor_eager the same in bf16 with CUDA graphs off (the baseline), no transformers
 #                  -> bench_executor_gpu_eager.json
-#   stack          (not in the default list; ~9 min on an H200) the whole stack: a random
-#                  Llama-3.1-8B-shaped bf16 model drawn on the GPU (loadtest/random_model.py,
-#                  with a synthetic tokenizer), then `pagedserve serve` (its own Redis)
-#                  paged and --contiguous in the same KV memory and the in-process engine,
-#                  at batch 16/64/128/256 -> bench_stack.json (loadtest/bench_stack.py).
+#   stack          (not in the default list; about 10 min on an H200, never run yet) the
+#                  whole stack: a random Llama-3.1-8B-shaped bf16 model drawn on the GPU
+#                  (loadtest/random_model.py, with a synthetic tokenizer), then `pagedserve
+#                  serve` (its own Redis) paged (steps planned ahead), with
+#                  --async-scheduling off, and --contiguous in the same KV memory, and the
+#                  in-process engine, at batch 16/64/128/256 -> bench_stack.json
+#                  (loadtest/bench_stack.py; async_over_sync and executor_idle per batch).
 #                  STACK_DEVICE=cpu runs the same end to end on the CPU with a 2-layer
 #                  SmolLM2-shaped random model at batch 2 and 4: its dry run (a test runs it).
 # Everything printed goes to OUTDIR/all.log; the exit status is 1 when a stage failed.
@@ -101,6 +103,7 @@ torch.cuda.get_device_name())'" ;;
                 loadtest/random_model.py "$SMODEL" --shape llama3-8b --dtype bfloat16 \
                 --device cuda --tokenizer
             stage stack 450 bash -c "$PY loadtest/bench_stack.py --json --model $SMODEL \
+                --systems paged,sync,contiguous,inprocess \
                 --device cuda --dtype bfloat16 --batches 16,64,128,256 --output-tokens 128 \
                 --max-model-len 8192 > '$OUT/bench_stack.json'"
         else

@@ -84,7 +84,7 @@ class _Control(pb_grpc.ExecutorControlServicer):
         status = f"rank(s) {', '.join(map(str, lost))} not answering" if lost else "ok"
         return pb.HealthReply(ok=not lost, status=status, steps=s.steps,
                               uptime_s=time.time() - s.started_at, live_seqs=s.live_seqs(),
-                              fence=s.fence, instance_id=s.instance_id)
+                              fence=s.fence, instance_id=s.instance_id, busy_s=s.busy_s)
 
     def Reset(self, request, context):
         self._check_token(context)
@@ -111,6 +111,7 @@ class ExecutorServer:
         self.instance_id = uuid.uuid4().hex
         self.started_at = time.time()
         self.steps = 0
+        self.busy_s = 0.0                  # on plans, from receipt to the result sent
         self._lock = threading.Lock()      # one plan (or reset) at a time
         self._stop = threading.Event()
         self._zmq = zmq.Context.instance()
@@ -213,9 +214,11 @@ class ExecutorServer:
             while not self._stop.is_set():
                 if not poller.poll(200):
                     continue
+                t0 = time.perf_counter()
                 to, reply = self._execute(plans.recv())
                 if results is not None and reply is not None:
                     self._send_result(results, to, reply)
+                self.busy_s += time.perf_counter() - t0
                 if self.runner.broken:
                     log.critical("tensor-parallel step failed on rank %d; the executor group "
                                  "is out of step and must be restarted", c.rank)

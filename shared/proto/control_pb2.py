@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/proto/control.proto\x12\x15pagedserve.control.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x91\x02\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\x03\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\x05\x12\x16\n\x0eplan_endpoints\x18\t \x03(\t\x12\x17\n\x0fresult_endpoint\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\x05\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\"\x1e\n\rHealthRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\x81\x01\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x11\n\tlive_seqs\x18\x05 \x01(\x03\x12\r\n\x05\x66\x65nce\x18\x06 \x01(\x04\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"\x1d\n\x0cResetRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"A\n\nResetReply\x12\x14\n\x0c\x64ropped_seqs\x18\x01 \x01(\x03\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\x0e\n\x06holder\x18\x03 \x01(\t\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply2\xe9\x02\n\x0f\x45xecutorControl\x12W\n\x08\x44\x65scribe\x12&.pagedserve.control.v1.DescribeRequest\x1a#.pagedserve.control.v1.ExecutorInfo\x12R\n\x06Health\x12$.pagedserve.control.v1.HealthRequest\x1a\".pagedserve.control.v1.HealthReply\x12O\n\x05Reset\x12#.pagedserve.control.v1.ResetRequest\x1a!.pagedserve.control.v1.ResetReply\x12X\n\x08Shutdown\x12&.pagedserve.control.v1.ShutdownRequest\x1a$.pagedserve.control.v1.ShutdownReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/proto/control.proto\x12\x15pagedserve.control.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x91\x02\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\x03\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\x05\x12\x16\n\x0eplan_endpoints\x18\t \x03(\t\x12\x17\n\x0fresult_endpoint\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\x05\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\"\x1e\n\rHealthRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\x91\x01\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x11\n\tlive_seqs\x18\x05 \x01(\x03\x12\r\n\x05\x66\x65nce\x18\x06 \x01(\x04\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x0e\n\x06\x62usy_s\x18\x08 \x01(\x01\"\x1d\n\x0cResetRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"A\n\nResetReply\x12\x14\n\x0c\x64ropped_seqs\x18\x01 \x01(\x03\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\x0e\n\x06holder\x18\x03 \x01(\t\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply2\xe9\x02\n\x0f\x45xecutorControl\x12W\n\x08\x44\x65scribe\x12&.pagedserve.control.v1.DescribeRequest\x1a#.pagedserve.control.v1.ExecutorInfo\x12R\n\x06Health\x12$.pagedserve.control.v1.HealthRequest\x1a\".pagedserve.control.v1.HealthReply\x12O\n\x05Reset\x12#.pagedserve.control.v1.ResetRequest\x1a!.pagedserve.control.v1.ResetReply\x12X\n\x08Shutdown\x12&.pagedserve.control.v1.ShutdownRequest\x1a$.pagedserve.control.v1.ShutdownReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,15 +38,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_start=348
   _globals['_HEALTHREQUEST']._serialized_end=378
   _globals['_HEALTHREPLY']._serialized_start=381
-  _globals['_HEALTHREPLY']._serialized_end=510
-  _globals['_RESETREQUEST']._serialized_start=512
-  _globals['_RESETREQUEST']._serialized_end=541
-  _globals['_RESETREPLY']._serialized_start=543
-  _globals['_RESETREPLY']._serialized_end=608
-  _globals['_SHUTDOWNREQUEST']._serialized_start=610
-  _globals['_SHUTDOWNREQUEST']._serialized_end=627
-  _globals['_SHUTDOWNREPLY']._serialized_start=629
-  _globals['_SHUTDOWNREPLY']._serialized_end=644
-  _globals['_EXECUTORCONTROL']._serialized_start=647
-  _globals['_EXECUTORCONTROL']._serialized_end=1008
+  _globals['_HEALTHREPLY']._serialized_end=526
+  _globals['_RESETREQUEST']._serialized_start=528
+  _globals['_RESETREQUEST']._serialized_end=557
+  _globals['_RESETREPLY']._serialized_start=559
+  _globals['_RESETREPLY']._serialized_end=624
+  _globals['_SHUTDOWNREQUEST']._serialized_start=626
+  _globals['_SHUTDOWNREQUEST']._serialized_end=643
+  _globals['_SHUTDOWNREPLY']._serialized_start=645
+  _globals['_SHUTDOWNREPLY']._serialized_end=660
+  _globals['_EXECUTORCONTROL']._serialized_start=663
+  _globals['_EXECUTORCONTROL']._serialized_end=1024
 # @@protoc_insertion_point(module_scope)
