@@ -157,8 +157,13 @@ class SchedulerService:
                                   registry=self.metrics.registry)
         self.executors.connect(info.plan_endpoints, info.result_endpoint,
                                owner_identity(self.config.name, self.owner.fence))
-        log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks", self.config.name,
-                 info.model, info.num_gpu_blocks, info.block_size, info.num_cpu_blocks)
+        log.info("scheduler %s: %s, %d GPU blocks of %d tokens, %d CPU blocks, async "
+                 "scheduling %s", self.config.name, info.model, info.num_gpu_blocks,
+                 info.block_size, info.num_cpu_blocks, "on" if self.plans_ahead else "off")
+        if mode == "on" and not self.plans_ahead:
+            log.warning("--async-scheduling on: not with an executor of %d ranks (only rank 0 "
+                        "sees the sampled tokens); every step waits for its result",
+                        self.dashboard.tp)
 
     # ------------------------------------------------------------ main loop
     def serve(self) -> int:
