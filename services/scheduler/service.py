@@ -3,15 +3,18 @@
 One iteration, with Redis I/O overlapped with the executor's forward pass:
 
     plan_k = schedule()          ─── ZMQ PUSH ──▶ executor ranks (forward k runs ...)
+    (plan_k+1 = schedule_ahead() ── ZMQ PUSH ──▶ queued behind it, when only steady decodes
+                                                  run: ahead.py)
     one Redis round trip:  publish outputs of step k-1, heartbeat, ack finished requests,
                            read new requests (consumer group) and aborts
     result_k  ◀── ZMQ PULL ───── executor rank 0   (a step past READ_DURING_STEP_S reads
                                                      new requests again while it waits)
     outputs_k = update(plan_k, result_k); then admit the requests / apply the aborts read above
 
-New requests and aborts are applied only between update() and the next schedule(), so the
-core never sees a change while a plan is in flight. With nothing to run, the loop blocks on
-Redis (XREADGROUP BLOCK): it never busy-spins.
+New requests and aborts are applied only after update(): then no plan is in flight, except
+one planned ahead (async scheduling, ahead.py: plan_k+1 sent right after plan_k, before
+result_k), whose rows of a request aborted meanwhile are skipped when applied. With nothing
+to run, the loop blocks on Redis (XREADGROUP BLOCK): it never busy-spins.
 
 A request's stream entry is acknowledged only when the request ends, so a crashed
 scheduler's unfinished requests stay pending in the consumer group for another to claim.
