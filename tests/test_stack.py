@@ -70,7 +70,11 @@ def test_64_concurrent_streams_match_the_offline_engine(stack):
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
             return await asyncio.gather(*[_stream_completion(client, p) for p in prompt_ids])
 
-    streamed = asyncio.run(run_all())
+    assert_offline_text(asyncio.run(run_all()), prompt_ids, tok)
+
+
+def assert_offline_text(streamed: list[str], prompt_ids: list[list[int]], tok) -> None:
+    """Each streamed text is the offline engine's greedy text for its prompt."""
     ref_tokens, ref_tops = _offline_reference(prompt_ids)
     near_ties = 0
     for i, (text, ids, tops) in enumerate(zip(streamed, ref_tokens, ref_tops)):

@@ -122,20 +122,21 @@ def _plain(rid: str, prompt: list[int], max_tokens: int, **kw) -> GenerationRequ
     return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw))
 
 
-def _run_until_steady(sched: Scheduler, ex: FakeExecutor) -> None:
+def _steady(n: int, max_tokens: int) -> tuple[Scheduler, FakeExecutor]:
+    """n requests of one sequence, run until every one is decoding steadily."""
+    sched = Scheduler(config(), 200, 0)
+    ex = FakeExecutor(200, 0, 4)
+    for i in range(n):
+        sched.add_request(_plain(f"s{i}", [3, 1, 4, 1, 5], max_tokens))
     while True:
         plan = sched.schedule()
         sched.update(plan, ex.execute(plan))
         if all(g.first_output_sent for g in sched.running):
-            return
+            return sched, ex
 
 
 def test_a_step_is_planned_ahead_only_when_its_result_is_not_needed():
-    sched = Scheduler(config(), 200, 0)
-    ex = FakeExecutor(200, 0, 4)
-    for i in range(3):
-        sched.add_request(_plain(f"a{i}", [1, 2, 3, 4, 5], 30))
-    _run_until_steady(sched, ex)
+    sched, ex = _steady(3, 30)
     plan = sched.schedule()
     ahead = sched.schedule_ahead()
     assert ahead is not None and ahead.step_id == plan.step_id + 1
@@ -165,11 +166,7 @@ def test_a_step_is_planned_ahead_only_when_its_result_is_not_needed():
 def test_a_failed_step_fails_the_step_planned_ahead_of_it_without_a_trace():
     """A step fails while the one planned ahead of it is in flight: its requests end with
     the error, the ahead step's rows (the same seqs) are skipped, and every block is freed."""
-    sched = Scheduler(config(), 200, 0)
-    ex = FakeExecutor(200, 0, 4)
-    for i in range(4):
-        sched.add_request(_plain(f"f{i}", [3, 1, 4, 1, 5], 40))
-    _run_until_steady(sched, ex)
+    sched, ex = _steady(4, 40)
     plan = sched.schedule()
     ahead = sched.schedule_ahead()
     assert ahead is not None
