@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
+from loadtest.docgen import metric  # noqa: E402
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 from shared.control import ExecutorClient  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
@@ -83,14 +84,8 @@ def figures(wall: float, spans: list[tuple[float, float]], batch: int, out_token
 
 def _steps(url: str) -> tuple[float, float]:
     """(steps planned, of them planned ahead) so far, from the gateway's /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in ("pagedserve:steps_total", "pagedserve:steps_planned_ahead_total"):
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return (values.get("pagedserve:steps_total", 0.0),
-            values.get("pagedserve:steps_planned_ahead_total", 0.0))
+    return (metric(url, "pagedserve:steps_total"),
+            metric(url, "pagedserve:steps_planned_ahead_total"))
 
 
 def run_stack(args, prompts: dict[int, list], system: str) -> dict:

@@ -1,12 +1,26 @@
 """Helpers of the benchmarks that write docs: where the figures come from (the code, the
-machine), and the generated block of a doc, replaced without touching the prose around it."""
+machine, a running server's /metrics), and the generated block of a doc, replaced without
+touching the prose around it."""
 from __future__ import annotations
 
 import os
 import subprocess
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def metric(url: str, name: str) -> float:
+    """One metric family summed over its label sets; KeyError when the server lacks it
+    (a missing gauge must not read as zero blocks in use)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    if not values:
+        raise KeyError(f"{name} is not in {url}/metrics")
+    return sum(values)
 
 
 def commit() -> str:

@@ -27,13 +27,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.docgen import commit, machine, write_block  # noqa: E402
+from loadtest.docgen import commit, machine, metric, write_block  # noqa: E402
 from services.launcher import Stack, build_parser, free_port, free_ports  # noqa: E402
 
 SAMPLE_S = 5.0          # RSS sampling period (s)
@@ -50,18 +49,6 @@ def rss_mib(pid: int) -> float:
     except OSError:
         pass
     return 0.0
-
-
-def metric(url: str, name: str) -> float:
-    """One metric family summed over its label sets; KeyError when the server lacks it
-    (a missing gauge must not read as zero blocks in use)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
-    if not values:
-        raise KeyError(f"{name} is not in {url}/metrics")
-    return sum(values)
 
 
 DRAIN = ("pagedserve:gpu_blocks_used", "pagedserve:cpu_blocks_used",

@@ -216,15 +216,15 @@ class Lead:
         bm = self.bm
         gpu = bm.gpu
         idx = self.order[:k]
-        if ahead is not None:
+        if ahead is None:
+            c = self.computed[idx]
+        else:
             # A seq that reaches its length with the step in flight ends with it: no row.
             idx = idx[self.length[idx] + 1 < self.max_len[idx]]
             k = len(idx)
             if not k:
                 return 0
-        c = self.computed[idx]
-        if ahead is not None:
-            c = c + self.scheduled[idx]
+            c = self.computed[idx] + self.scheduled[idx]
         pos = c % bs
         new = c // bs == self.table_len[idx]
         blocks = [_NO_BLOCKS] * k
