@@ -7,6 +7,7 @@
  *   add_rms_norm             residual += h; out = rms_norm(residual) * w        (fp32)
  *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
  *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
+ *   (each of the three also as ..._bf16, for a bf16 model: same steps, bf16 rows)
  *   greedy_logprobs          per row: the first argmax and its log_softmax value
  *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
  *   linear_packed            panels (AVX-512 only; see the section below); optionally
@@ -210,6 +211,87 @@ void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const 
             memcpy(k_cache + slot * hkv * d, row + hq * d, sizeof(float) * (size_t)(hkv * d));
             memcpy(v_cache + slot * hkv * d, row + (hq + hkv) * d,
                    sizeof(float) * (size_t)(hkv * d));
+        }
+    }
+}
+
+/* ------------------------------------------------------------ elementwise, bf16 rows
+ *
+ * The same three steps for a bf16 model, so that its layer also runs 8 parallel regions
+ * instead of about 25 torch ops (each a region of its own where the tensor is large, and
+ * each region wakes the sleeping OpenMP threads). Math in fp32; every value is rounded to
+ * bf16 where the torch ops of the fallback path (llama.py) round it, in the same order. The
+ * two paths can still differ by one bf16 step where the fp32 values before rounding do in
+ * their last bit (the order of the norm's sum of squares, the exp of SiLU). */
+static inline float bf2f(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t f2bf(float f) {              /* round to nearest even, as torch */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);   /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+void add_rms_norm_bf16(uint16_t *residual, const uint16_t *h, const uint16_t *w,
+                       uint16_t *out, int64_t T, int64_t H, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *r = residual + t * H;
+        uint16_t *o = out + t * H;
+        if (h) {
+            const uint16_t *x = h + t * H;
+            for (int64_t i = 0; i < H; i++) r[i] = f2bf(bf2f(r[i]) + bf2f(x[i]));
+        }
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) ss += bf2f(r[i]) * bf2f(r[i]);
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(r[i]) * inv)));
+    }
+}
+
+void silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I,
+                       int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * 2 * I;
+        const uint16_t *u = g + I;
+        uint16_t *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            float x = bf2f(g[i]);
+            o[i] = f2bf(bf2f(f2bf(x / (1.f + expf(fminf(-x, 80.f))))) * bf2f(u[i]));
+        }
+    }
+}
+
+/* cos/sin [max_len, D/2] in bf16, as the model keeps them. */
+void rope_and_cache_bf16(uint16_t *qkv, int64_t stride, const int64_t *positions,
+                         const uint16_t *cos_t, const uint16_t *sin_t, const int64_t *slots,
+                         uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t hq,
+                         int64_t hkv, int64_t d, int num_threads) {
+    int64_t half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *row = qkv + t * stride;
+        const uint16_t *c = cos_t + positions[t] * half;
+        const uint16_t *s = sin_t + positions[t] * half;
+        for (int64_t head = 0; head < hq + hkv; head++) {
+            uint16_t *x1 = row + head * d;
+            uint16_t *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float a = bf2f(x1[i]), b = bf2f(x2[i]), ci = bf2f(c[i]), si = bf2f(s[i]);
+                x1[i] = f2bf(bf2f(f2bf(a * ci)) - bf2f(f2bf(b * si)));
+                x2[i] = f2bf(bf2f(f2bf(b * ci)) + bf2f(f2bf(a * si)));
+            }
+        }
+        int64_t slot = slots[t];
+        if (slot >= 0) {
+            memcpy(k_cache + slot * hkv * d, row + hq * d, sizeof(uint16_t) * (size_t)(hkv * d));
+            memcpy(v_cache + slot * hkv * d, row + (hq + hkv) * d,
+                   sizeof(uint16_t) * (size_t)(hkv * d));
         }
     }
 }

@@ -78,6 +78,12 @@ def _load() -> ctypes.CDLL:
     lib.silu_and_mul.restype = None
     lib.rope_and_cache.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
     lib.rope_and_cache.restype = None
+    lib.add_rms_norm_bf16.argtypes = lib.add_rms_norm.argtypes
+    lib.add_rms_norm_bf16.restype = None
+    lib.silu_and_mul_bf16.argtypes = lib.silu_and_mul.argtypes
+    lib.silu_and_mul_bf16.restype = None
+    lib.rope_and_cache_bf16.argtypes = lib.rope_and_cache.argtypes
+    lib.rope_and_cache_bf16.restype = None
     lib.greedy_logprobs.argtypes = [p, i64, i64, i64, p, p, i32]
     lib.greedy_logprobs.restype = None
     lib.linear_packed_available.argtypes = []
@@ -119,11 +125,14 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def add_rms_norm(residual: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """residual += h (in place, unless h is None); returns rms_norm(residual) * weight."""
+    """residual += h (in place, unless h is None); returns rms_norm(residual) * weight.
+    fp32 or bf16 rows (every tensor of one call in the same dtype)."""
     out = torch.empty_like(residual)
     t, hidden = residual.shape
-    kernels().add_rms_norm(residual.data_ptr(), _ptr(h), weight.data_ptr(), out.data_ptr(), t,
-                           hidden, eps, torch.get_num_threads())
+    lib = kernels()
+    fn = lib.add_rms_norm_bf16 if residual.dtype == torch.bfloat16 else lib.add_rms_norm
+    fn(residual.data_ptr(), _ptr(h), weight.data_ptr(), out.data_ptr(), t, hidden, eps,
+       torch.get_num_threads())
     return out
 
 
@@ -131,8 +140,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    kernels().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
-                           torch.get_num_threads())
+    lib = kernels()
+    fn = lib.silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_and_mul
+    fn(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
     return out
 
 
@@ -141,10 +151,11 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
     """Rotate the q and k heads of qkv [T, (Hq + 2 Hkv) D] in place; store k, v at slots."""
     t, d = qkv.shape[0], k_cache.shape[-1]
-    kernels().rope_and_cache(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
-                             sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                             v_cache.data_ptr(), t, num_heads, num_kv_heads, d,
-                             torch.get_num_threads())
+    lib = kernels()
+    fn = lib.rope_and_cache_bf16 if qkv.dtype == torch.bfloat16 else lib.rope_and_cache
+    fn(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+       slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, num_heads, num_kv_heads, d,
+       torch.get_num_threads())
 
 
 GEMM_NR = 32                       # output columns per packed panel (cpu_kernels.c)

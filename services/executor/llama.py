@@ -204,8 +204,9 @@ class LlamaModel:
         freqs = torch.outer(pos, rope_inv_freq(args))
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
-        # The C kernels for norm, rope and activation (fp32 on the CPU); see cpu_kernels.py.
-        self.fused = (device.type == "cpu" and dtype == torch.float32
+        # The C kernels for norm, rope and activation (fp32 or bf16 on the CPU; the cos/sin
+        # tables are in the model's dtype); see cpu_kernels.py.
+        self.fused = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                       and cpu_kernels.kernels() is not None)
 
     # ------------------------------------------------------------------ forward
@@ -258,7 +259,8 @@ class LlamaModel:
         """silu(gate) * up: in the GEMM where it can (`glu`), else GEMM then activation."""
         return gate_up.swiglu(x) if gate_up.glu else self._silu_and_mul(gate_up(x))
 
-    # Each step below has a fused C version (CPU, fp32) and the torch ops it replaces.
+    # Each step below has a fused C version (CPU, fp32 and bf16) and the torch ops it
+    # replaces.
 
     def _add_norm(self, residual: torch.Tensor, h: torch.Tensor | None,
                   weight: torch.Tensor) -> torch.Tensor:

@@ -340,3 +340,22 @@ def test_a_decode_planned_ahead_takes_the_token_the_executor_sampled_last(tiny):
                                 [Row(2, 0, 1, [-1])], sampling=0))
     assert "sampled none" in fresh.error and "Traceback" not in fresh.error
     r.execute(StepPlan(11, finished_seq_ids=[2]))
+
+
+def test_bf16_c_kernels_give_the_torch_ops_logits(tiny_llama, monkeypatch):
+    """A bf16 model runs its norms, RoPE and SiLU in the C kernels: its logits stay within
+    bf16 rounding of the torch ops path's (PAGEDSERVE_CPU_KERNELS=torch)."""
+    from services.executor import cpu_kernels
+
+    folder, _hf = tiny_llama
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C compiler: only the torch ops path runs here")
+    tokens = PROMPT + [8, 8, 1, 77]
+    fused = tiny_runner(folder, dtype="bfloat16")
+    assert fused.model.fused
+    got = teacher_forced_logits(fused, tokens, len(PROMPT), chunk=5)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    plain = tiny_runner(folder, dtype="bfloat16")
+    assert not plain.model.fused
+    want = teacher_forced_logits(plain, tokens, len(PROMPT), chunk=5)
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
