@@ -41,6 +41,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+_USER_ENV = set(os.environ)        # before bench_overhead's import sets the executor's OpenMP
+
 import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, run_stack, workload  # noqa: E402
@@ -48,6 +50,9 @@ from loadtest.docgen import cpu  # noqa: E402
 from services.launcher import free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pagedserve" / "llamacpp"
+# What services.launcher.executor_openmp_defaults sets, unless the user's environment did.
+OMP_SET_FOR_PAGEDSERVE = {k for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                          if k not in _USER_ENV}
 SLOT_CTX = 512     # per-slot context: the longest prompt (256) + 128 outputs, rounded up
 
 
@@ -125,7 +130,11 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
             "-tb", str(threads), "-b", "2048", "--cont-batching", "--no-webui"]
     log_path = CACHE / "llama-server.log"      # a file: an undrained pipe would block it
     log = open(log_path, "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # Its own OpenMP defaults, not the ones this process set for pagedserve's executor
+    # (bench_overhead imports executor_openmp_defaults): each server in its own configuration.
+    env = {k: v for k, v in os.environ.items() if k not in OMP_SET_FOR_PAGEDSERVE}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -29,9 +29,8 @@ from services.launcher import (Stack, build_parser, executor_openmp_defaults,  #
                                free_port, free_ports)
 
 # Both runs get the executor's OpenMP settings (before torch loads OpenMP): the comparison
-# is of what the stack adds around the same forward. A lone process on some CPUs runs
-# faster with spinning threads (OMP_WAIT_POLICY=ACTIVE in the environment overrides this
-# for both runs; docs/overhead.md).
+# is of what the stack adds around the same forward (OMP_WAIT_POLICY / GOMP_SPINCOUNT in
+# the environment override them for both runs; docs/overhead.md).
 executor_openmp_defaults()
 
 from loadtest import docgen  # noqa: E402
@@ -129,7 +128,8 @@ def main() -> None:
         "inprocess_ttft_ms_p50": 1000 * p50(inproc["ttft"]),
         "stack_ttft_ms_p50": 1000 * p50(stack["ttft"]),
         "requests": args.requests, "output_tokens": args.output_tokens, "dtype": args.dtype,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu_model": docgen.cpu(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_spin_count": os.environ.get("GOMP_SPINCOUNT"), "cpu_model": docgen.cpu(),
         "loadavg_1m": os.getloadavg()[0],
     }
     if args.json:

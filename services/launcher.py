@@ -260,15 +260,23 @@ def redis_too_old(url: str) -> str | None:
             f"{MIN_REDIS[0]} or newer")
 
 
+OMP_SPIN_COUNT = 1000     # libgomp's spin iterations before a waiting thread sleeps
+
+
 def executor_openmp_defaults() -> None:
     """The executor's OpenMP settings, unless the environment sets them; call before torch
     loads OpenMP.
 
-    NOTE: spinning OpenMP threads lose their cores to any other busy process (the gateway,
-    Redis, other ranks) and then every parallel region waits for the descheduled one: with
-    one busy neighbour on a 2-core host, spinning decoded at 0.54x of waiting passively;
-    alone, spinning gained 16 % (docs/overhead.md, the OpenMP wait policy)."""
+    NOTE: threads that spin without end lose their cores to any other busy process (the
+    gateway, Redis, other ranks) and then every parallel region waits for the descheduled
+    one: with one busy neighbour on a 2-core host, spinning decoded at 0.54x of waiting
+    passively. Threads that go to sleep at once pay a wake-up at every parallel region
+    instead (hundreds per step), which on a VM cost a third of the batch-8 decode. So they
+    spin briefly (GOMP_SPINCOUNT iterations, about 10 µs), then sleep: a step's regions
+    follow each other faster than that, the gaps between steps do not (docs/overhead.md,
+    the OpenMP wait policy). GOMP_SPINCOUNT=0 in the environment: sleep at once."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", str(OMP_SPIN_COUNT))
 
 
 def _run_service(args) -> int:
