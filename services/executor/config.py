@@ -21,6 +21,9 @@ class ExecutorConfig:
     # faster (AMX; AVX-512 bf16 on AMD), else fp32 (cpu_gemm.auto_cpu_dtype)
     dtype: str = "auto"
     device: str = "auto"               # auto: cuda when available, else cpu
+    # KV cache: auto = the model's dtype; bfloat16 under a float32 model (CPU) halves the
+    # cache's bytes per token (twice the tokens in kv_cache_gib, half the attention's reads)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16               # tokens per KV block
     kv_cache_gib: float = 1.0          # CPU only: KV pool budget (GiB)
     gpu_memory_utilization: float = 0.9  # GPU only: fraction of total memory the process may use
@@ -44,6 +47,9 @@ class ExecutorConfig:
         """Raise ExecutorConfigError naming the first bad setting."""
         if self.dtype not in DTYPES:
             raise ExecutorConfigError(f"dtype {self.dtype!r} is not supported: use one of {DTYPES}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ExecutorConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not "
+                                      f"supported: use one of {DTYPES}")
         if self.device not in DEVICES:
             raise ExecutorConfigError(
                 f"device {self.device!r} is not supported: use one of {DEVICES}")

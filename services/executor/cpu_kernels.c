@@ -7,6 +7,7 @@
  *   add_rms_norm             residual += h; out = rms_norm(residual) * w        (fp32)
  *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
  *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
+ *                            (fp32 rows into an fp32 or a bf16 cache)
  *   (each of the three also as ..._bf16, for a bf16 model: same steps, bf16 rows)
  *   greedy_logprobs          per row: the first argmax and its log_softmax value
  *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
@@ -185,12 +186,38 @@ void silu_and_mul(const float *gu, float *out, int64_t T, int64_t I, int num_thr
     }
 }
 
+/* bf16 <-> fp32 (bf16 rows of a bf16 model, and a 16-bit KV cache of an fp32 one). */
+static inline float bf2f(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t f2bf(float f) {              /* round to nearest even, as torch */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);   /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_row(void *cache, int64_t off, const float *src, int64_t n,
+                             int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + off, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + off;
+    for (int64_t i = 0; i < n; i++) dst[i] = f2bf(src[i]);
+}
+
 /* qkv [T, (Hq + 2 Hkv) D] with row stride `stride`: rotate the Hq + Hkv q/k heads in place
  * (rotate-half convention, cos/sin [max_len, D/2] indexed by positions), then copy each
- * token's k and v heads into slot_mapping[t] of the caches [slots, Hkv, D]. */
+ * token's k and v heads into slot_mapping[t] of the caches [slots, Hkv, D], fp32 or
+ * (kv_bf16 = 1) rounded to bf16. */
 void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const float *cos_t,
-                    const float *sin_t, const int64_t *slots, float *k_cache, float *v_cache,
-                    int64_t T, int64_t hq, int64_t hkv, int64_t d, int num_threads) {
+                    const float *sin_t, const int64_t *slots, void *k_cache, void *v_cache,
+                    int kv_bf16, int64_t T, int64_t hq, int64_t hkv, int64_t d,
+                    int num_threads) {
     int64_t half = d / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < T; t++) {
@@ -208,9 +235,8 @@ void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const 
         }
         int64_t slot = slots[t];
         if (slot >= 0) {
-            memcpy(k_cache + slot * hkv * d, row + hq * d, sizeof(float) * (size_t)(hkv * d));
-            memcpy(v_cache + slot * hkv * d, row + (hq + hkv) * d,
-                   sizeof(float) * (size_t)(hkv * d));
+            store_row(k_cache, slot * hkv * d, row + hq * d, hkv * d, kv_bf16);
+            store_row(v_cache, slot * hkv * d, row + (hq + hkv) * d, hkv * d, kv_bf16);
         }
     }
 }
@@ -223,19 +249,6 @@ void rope_and_cache(float *qkv, int64_t stride, const int64_t *positions, const 
  * bf16 where the torch ops of the fallback path (llama.py) round it, in the same order. The
  * two paths can still differ by one bf16 step where the fp32 values before rounding do in
  * their last bit (the order of the norm's sum of squares, the exp of SiLU). */
-static inline float bf2f(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f2bf(float f) {              /* round to nearest even, as torch */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);   /* NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 void add_rms_norm_bf16(uint16_t *residual, const uint16_t *h, const uint16_t *w,
                        uint16_t *out, int64_t T, int64_t H, float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)

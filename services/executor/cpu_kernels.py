@@ -76,13 +76,13 @@ def _load() -> ctypes.CDLL:
     lib.add_rms_norm.restype = None
     lib.silu_and_mul.argtypes = [p, p, i64, i64, i32]
     lib.silu_and_mul.restype = None
-    lib.rope_and_cache.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
+    lib.rope_and_cache.argtypes = [p, i64, p, p, p, p, p, p, i32, i64, i64, i64, i64, i32]
     lib.rope_and_cache.restype = None
     lib.add_rms_norm_bf16.argtypes = lib.add_rms_norm.argtypes
     lib.add_rms_norm_bf16.restype = None
     lib.silu_and_mul_bf16.argtypes = lib.silu_and_mul.argtypes
     lib.silu_and_mul_bf16.restype = None
-    lib.rope_and_cache_bf16.argtypes = lib.rope_and_cache.argtypes
+    lib.rope_and_cache_bf16.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
     lib.rope_and_cache_bf16.restype = None
     lib.greedy_logprobs.argtypes = [p, i64, i64, i64, p, p, i32]
     lib.greedy_logprobs.restype = None
@@ -149,13 +149,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
-    """Rotate the q and k heads of qkv [T, (Hq + 2 Hkv) D] in place; store k, v at slots."""
+    """Rotate the q and k heads of qkv [T, (Hq + 2 Hkv) D] in place; store k, v at slots.
+    The caches hold the rows' dtype, or bf16 for fp32 rows (rounded to nearest even)."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     lib = kernels()
-    fn = lib.rope_and_cache_bf16 if qkv.dtype == torch.bfloat16 else lib.rope_and_cache
-    fn(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-       slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, num_heads, num_kv_heads, d,
-       torch.get_num_threads())
+    args = (qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    rest = (t, num_heads, num_kv_heads, d, torch.get_num_threads())
+    if qkv.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
+        lib.rope_and_cache_bf16(*args, *rest)
+    elif qkv.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16):
+        lib.rope_and_cache(*args, int(k_cache.dtype == torch.bfloat16), *rest)
+    else:
+        raise TypeError(f"no CPU kernel stores {qkv.dtype} rows in a {k_cache.dtype} cache")
 
 
 GEMM_NR = 32                       # output columns per packed panel (cpu_kernels.c)

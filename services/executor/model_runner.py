@@ -82,6 +82,7 @@ class ModelRunner:
         args = read_args(folder)
         shard.check(args.num_heads, args.num_kv_heads)      # refuse a bad split up front
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = _resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         limit = args.max_position_embeddings
         if args.sliding_window:
             # NOTE: no windowed attention here; capping the length keeps every context
@@ -103,7 +104,7 @@ class ModelRunner:
         self.args = self.model.args                       # this rank's slice of the heads
         self.eos_token_id = args.eos_token_ids[0] if args.eos_token_ids else None
         one = block_bytes(self.args.num_layers, self.block_size, self.args.num_kv_heads,
-                          self.args.head_dim, self.dtype)
+                          self.args.head_dim, self.kv_dtype)
         # One block id must mean the same block on every rank: the smallest pool wins.
         self.num_gpu_blocks = self.group.min_int(config.num_gpu_blocks or self._size_pool(one))
         self.num_cpu_blocks = self.group.min_int(blocks_in(config.swap_space_gib * GIB, one))
@@ -113,7 +114,7 @@ class ModelRunner:
                 "kv_cache_gib (CPU) or gpu_memory_utilization (GPU), or use a smaller model")
         self.kv = KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
                           self.block_size, self.args.num_kv_heads, self.args.head_dim,
-                          self.dtype, self.device)
+                          self.kv_dtype, self.device)
         # Decode steps on a GPU replay CUDA graphs (one process: the TP all-reduce is not
         # captured); everything else runs eagerly.
         self.graphs = None
@@ -125,8 +126,8 @@ class ModelRunner:
         self.keep_logits = False                      # tests: keep each sampling row's logits
         self.last_logits: dict[int, torch.Tensor] = {}
         log.info("executor rank %d/%d ready: %s %s on %s, %d KV blocks (+%d swap) of %d "
-                 "tokens", config.rank, tp, self.model_name, self.dtype, self.device,
-                 self.num_gpu_blocks, self.num_cpu_blocks, self.block_size)
+                 "tokens in %s", config.rank, tp, self.model_name, self.dtype, self.device,
+                 self.num_gpu_blocks, self.num_cpu_blocks, self.block_size, self.kv_dtype)
 
     # ------------------------------------------------------------------ the step
 
@@ -336,7 +337,7 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         nblocks = -(-n // self.block_size)
         scratch = KVCache(a.num_layers, nblocks, 0, self.block_size, a.num_kv_heads, a.head_dim,
-                          self.dtype, self.device)
+                          self.kv_dtype, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata.build([list(range(nblocks))], [0], [n], self.block_size,
@@ -361,6 +362,22 @@ def _resolve_device(name: str, rank: int = 0) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(name)
+
+
+def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's, or bf16 under an fp32 model on the CPU (its kernels
+    round K/V to bf16 as they store them and widen them as they read)."""
+    if name == "auto":
+        return model_dtype
+    dtype = _DTYPES[name]
+    if dtype == model_dtype:
+        return dtype
+    if device.type == "cpu" and model_dtype == torch.float32 and dtype == torch.bfloat16:
+        return dtype
+    hint = ("bfloat16 (under a float32 model) or auto" if device.type == "cpu"
+            and model_dtype == torch.float32 else "auto")
+    raise ExecutorConfigError(f"kv_cache_dtype {name} under a {str(model_dtype)[6:]} model "
+                              f"on {device.type} is not supported: use {hint}")
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -82,3 +82,28 @@ def test_rope_and_cache_bf16_matches_the_torch_ops():
     stored = torch.zeros(8 * bs, dtype=torch.bool)
     stored[slots[keep]] = True
     assert not k_flat[~stored].any() and not v_flat[~stored].any()
+
+
+def test_rope_and_cache_rounds_fp32_rows_into_a_bf16_cache():
+    """An fp32 model with a bf16 KV cache: the rows rotate in fp32 as they do with an fp32
+    cache, and the cache holds those K/V rounded to nearest even, as torch's cast does."""
+    g = torch.Generator().manual_seed(3)
+    t, hq, hkv, d, bs, max_len = 19, 6, 2, 64, 16, 256
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    positions = torch.randint(0, max_len, (t,), generator=g)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32),
+                        torch.rand(d // 2, generator=g))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(8 * bs, generator=g)[:t]
+    slots[4] = -1
+    rows32, rows16 = qkv.clone(), qkv.clone()
+    k32 = torch.zeros(8, bs, hkv, d)
+    v32 = torch.zeros_like(k32)
+    k16, v16 = k32.bfloat16(), v32.bfloat16()
+    cpu_kernels.rope_and_cache(rows32, positions, cos, sin, slots, k32, v32, hq, hkv)
+    cpu_kernels.rope_and_cache(rows16, positions, cos, sin, slots, k16, v16, hq, hkv)
+    assert torch.equal(rows16, rows32)
+    assert k32.any() and torch.equal(k16, k32.bfloat16()) and torch.equal(v16, v32.bfloat16())
+    with pytest.raises(TypeError, match="bfloat16 rows in a torch.float32 cache"):
+        cpu_kernels.rope_and_cache(qkv.bfloat16(), positions, cos.bfloat16(), sin.bfloat16(),
+                                   slots, k32, v32, hq, hkv)

@@ -359,3 +359,45 @@ def test_bf16_c_kernels_give_the_torch_ops_logits(tiny_llama, monkeypatch):
     assert not plain.model.fused
     want = teacher_forced_logits(plain, tokens, len(PROMPT), chunk=5)
     assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_bf16_kv_cache_under_an_fp32_model(tiny_llama, monkeypatch):
+    """--kv-cache-dtype bfloat16 under an fp32 model: both pools hold bf16, twice the blocks
+    fit the same budget, the logits stay within bf16 rounding of K/V of transformers' fp32,
+    and the C kernels and the torch ops path read and write the cache alike."""
+    from services.executor import cpu_kernels
+
+    folder, hf = tiny_llama
+    r = tiny_runner(folder, kv_cache_dtype="bfloat16")
+    assert r.dtype == torch.float32
+    assert r.kv.gpu.dtype == torch.bfloat16 and r.kv.cpu.dtype == torch.bfloat16
+    tokens = PROMPT + [8, 8, 1, 77]
+    got = teacher_forced_logits(r, tokens, len(PROMPT), chunk=5)
+    ref = hf_logits(hf, tokens, len(PROMPT))
+    assert 0 < (got - ref).abs().max() < 0.02 * ref.abs().max()
+    # the same budget holds twice the blocks
+    full = tiny_runner(folder, num_gpu_blocks=None, kv_cache_gib=0.001)
+    half = tiny_runner(folder, num_gpu_blocks=None, kv_cache_gib=0.001,
+                       kv_cache_dtype="bfloat16")
+    assert half.num_gpu_blocks in (2 * full.num_gpu_blocks, 2 * full.num_gpu_blocks + 1)
+    if cpu_kernels.kernels() is None:
+        return
+    assert r.model.fused
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    plain = tiny_runner(folder, kv_cache_dtype="bfloat16")
+    assert not plain.model.fused
+    want = teacher_forced_logits(plain, tokens, len(PROMPT), chunk=5)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_kv_cache_dtypes_that_do_not_fit_the_model_are_refused_with_a_hint(tiny_llama):
+    from services.executor.config import ExecutorConfig, ExecutorConfigError
+
+    with pytest.raises(ExecutorConfigError, match="kv_cache_dtype 'fp8'.*bfloat16"):
+        ExecutorConfig(kv_cache_dtype="fp8").validate()
+    with pytest.raises(ExecutorConfigError,
+                       match="kv_cache_dtype float32 under a bfloat16 model.*use auto"):
+        tiny_runner(tiny_llama[0], dtype="bfloat16", kv_cache_dtype="float32")
+    with pytest.raises(ExecutorConfigError, match="float16 under a float32 model.*bfloat16"):
+        tiny_runner(tiny_llama[0], kv_cache_dtype="float16")
+    assert tiny_runner(tiny_llama[0], kv_cache_dtype="float32").kv.gpu.dtype == torch.float32
