@@ -237,6 +237,9 @@ def main() -> None:
                          "eager, the baseline)")
     ap.add_argument("--model", default=None,
                     help="served name, .gguf or HF folder (default: the bundled SmolLM2)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the KV cache's dtype (auto: each model dtype's own; bfloat16 halves "
+                    "an fp32 model's)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: process CPU time, meaningful with --threads 1 on a busy machine")
     args = ap.parse_args()
@@ -254,7 +257,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     res: dict = {"engine_tok_s": {}, "decode_tok_s": {}, "hf_best_tok_s": {}, "ratio_vs_hf": {},
                  "hf_tok_s": {}, "processed_tok_s": {}, "threads": torch.get_num_threads(),
-                 "clock": args.clock}
+                 "clock": args.clock, "kv_cache_dtype": args.kv_cache_dtype}
     res["loadavg_start"] = os.getloadavg()[0]   # other work on the CPUs skews every figure
     res["device"] = args.device
     cpu = args.device == "cpu"
@@ -270,8 +273,10 @@ def main() -> None:
         res["cuda_graph_max_batch"] = args.cuda_graph_max_batch
     model = {"model": args.model} if args.model else {}
     for dt in dtypes:
+        kv = args.kv_cache_dtype if args.kv_cache_dtype in ("auto", dt) or dt == "float32" \
+            else "auto"                       # a 16-bit model's cache is 16-bit already
         runner = ModelRunner(ExecutorConfig(dtype=dt, device=args.device, kv_cache_gib=2.5,
-                                            swap_space_gib=0.0,
+                                            kv_cache_dtype=kv, swap_space_gib=0.0,
                                             max_num_batched_tokens=args.budget,
                                             cuda_graph_max_batch=args.cuda_graph_max_batch,
                                             **model))

@@ -1,0 +1,92 @@
+"""The CPU decode attention kernel alone, reading an fp32 KV cache and a bf16 one, in turns
+in the same run: ms per decode step over every layer, the bytes read per second, and the
+ratio bf16 / fp32 (what `--kv-cache-dtype bfloat16` saves an fp32 model's decode step).
+
+    python loadtest/bench_decode_attention.py                  # SmolLM2-135M's shape
+    python loadtest/bench_decode_attention.py --batch 64 --context 200 --rounds 3 --json
+
+Each layer has its own pool with the blocks of every sequence in shuffled order, as a
+pool looks after some serving; the query is random (the kernel's cost does not depend on
+the values).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from services.launcher import executor_openmp_defaults  # noqa: E402
+
+executor_openmp_defaults()       # as `serve` runs the executor: before torch loads OpenMP
+import torch  # noqa: E402
+
+from services.executor import cpu_kernels  # noqa: E402
+
+
+def step_ms(dtype: torch.dtype, args, reps: int) -> float:
+    g = torch.Generator().manual_seed(0)
+    per_seq = -(-args.context // args.block_size)
+    nblocks = args.batch * per_seq
+    pools = [tuple(torch.randn(nblocks, args.block_size, args.kv_heads, args.head_dim,
+                               generator=g).to(dtype) for _ in range(2))
+             for _ in range(args.layers)]
+    tables = torch.randperm(nblocks, generator=g).view(args.batch, per_seq).to(torch.int32)
+    lens = torch.full((args.batch,), args.context, dtype=torch.int32)
+    q = torch.randn(args.batch, args.heads, args.head_dim, generator=g)
+    scale = args.head_dim ** -0.5
+
+    def step():
+        for k, v in pools:
+            cpu_kernels.decode_attention(q, k, v, tables, lens, args.context, scale)
+
+    step()                                   # warm-up: page in the pools
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=200, help="tokens per sequence")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5, help="steps timed per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="fp32, bf16 measurements in turn")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if cpu_kernels.kernels() is None:
+        sys.exit("bench_decode_attention: the C kernels are not built here (no C compiler?)")
+    ms: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    for _ in range(args.rounds):
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            ms[name].append(step_ms(dtype, args, args.reps))
+    tokens = args.layers * args.batch * args.context
+    row = args.kv_heads * args.head_dim * 2           # K and V elements per token and layer
+    out = {"batch": args.batch, "context": args.context, "layers": args.layers,
+           "threads": torch.get_num_threads(), "ms_per_step": ms,
+           "ms_per_step_median": {k: statistics.median(v) for k, v in ms.items()},
+           "gb_per_s": {k: tokens * row * (4 if k == "float32" else 2)
+                        / (statistics.median(v) / 1e3) / 1e9 for k, v in ms.items()},
+           "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
+    out["speedup_bf16"] = out["ms_per_step_median"]["float32"] / out["ms_per_step_median"]["bfloat16"]
+    if args.json:
+        print(json.dumps(out))
+        return
+    for k in ms:
+        print(f"{k:9s} cache: " + ", ".join(f"{x:.1f}" for x in ms[k])
+              + f" ms per step; {out['gb_per_s'][k]:.1f} GB/s read")
+    print(f"bf16 cache / fp32 cache: {out['speedup_bf16']:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

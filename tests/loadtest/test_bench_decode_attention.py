@@ -1,0 +1,31 @@
+"""bench_decode_attention runs the C decode kernel over an fp32 and a bf16 cache of the
+same shape and reports each one's time and bytes read."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.executor import cpu_kernels
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_bench_decode_attention_times_both_caches():
+    proc = subprocess.run(
+        [sys.executable, "loadtest/bench_decode_attention.py", "--batch", "4", "--context",
+         "40", "--layers", "2", "--reps", "2", "--rounds", "2", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert set(out["ms_per_step"]) == {"float32", "bfloat16"}
+    assert all(len(v) == 2 and min(v) > 0 for v in out["ms_per_step"].values())
+    # bytes read: 2 layers x 4 seqs x 40 tokens x (K, V) x 3 heads x 64, at 4 or 2 bytes
+    fp32_bytes = 2 * 4 * 40 * 2 * 3 * 64 * 4
+    ms = out["ms_per_step_median"]["float32"]
+    assert out["gb_per_s"]["float32"] == pytest.approx(fp32_bytes / (ms / 1e3) / 1e9)
+    assert out["speedup_bf16"] == pytest.approx(ms / out["ms_per_step_median"]["bfloat16"])
