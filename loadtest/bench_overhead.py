@@ -9,7 +9,7 @@ The same workload (same prompt token ids, greedy, fixed output length) runs twic
 and the figures are compared side by side: throughput ratio, and the added per-token and
 time-to-first-token latency (p50 over requests).
 
-    python loadtest/bench_overhead.py [--requests 48] [--output-tokens 64] [--json]
+    python loadtest/bench_overhead.py [--requests 48] [--output-tokens 64] [--rounds 3] [--json]
 """
 from __future__ import annotations
 
@@ -117,32 +117,53 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="in-process and stack runs in turn, this many pairs (the order "
+                    "swaps each round); the figures are the medians over the rounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     prompts = workload(args.requests, args.seed)
-    inproc = run_inprocess(prompts, args.output_tokens, args)
-    stack = run_stack(prompts, args.output_tokens, args)
     p50 = statistics.median
-    out = {
-        "stack_over_inprocess": stack["tok_s"] / inproc["tok_s"],
-        "added_ms_per_token_p50": 1000 * (p50(stack["tpot"]) - p50(inproc["tpot"])),
-        "added_ttft_ms_p50": 1000 * (p50(stack["ttft"]) - p50(inproc["ttft"])),
-        "inprocess_tok_s": inproc["tok_s"], "stack_tok_s": stack["tok_s"],
-        "inprocess_tpot_ms_p50": 1000 * p50(inproc["tpot"]),
-        "stack_tpot_ms_p50": 1000 * p50(stack["tpot"]),
-        "inprocess_ttft_ms_p50": 1000 * p50(inproc["ttft"]),
-        "stack_ttft_ms_p50": 1000 * p50(stack["ttft"]),
+    rounds = []
+    for r in range(args.rounds):
+        # every other round the stack goes first: drift in the machine's speed (a VM's
+        # neighbours) then weighs on both sides alike
+        if r % 2 == 0:
+            inproc = run_inprocess(prompts, args.output_tokens, args)
+            stack = run_stack(prompts, args.output_tokens, args)
+        else:
+            stack = run_stack(prompts, args.output_tokens, args)
+            inproc = run_inprocess(prompts, args.output_tokens, args)
+        rounds.append({
+            "stack_over_inprocess": stack["tok_s"] / inproc["tok_s"],
+            "added_ms_per_token_p50": 1000 * (p50(stack["tpot"]) - p50(inproc["tpot"])),
+            "added_ttft_ms_p50": 1000 * (p50(stack["ttft"]) - p50(inproc["ttft"])),
+            "inprocess_tok_s": inproc["tok_s"], "stack_tok_s": stack["tok_s"],
+            "inprocess_tpot_ms_p50": 1000 * p50(inproc["tpot"]),
+            "stack_tpot_ms_p50": 1000 * p50(stack["tpot"]),
+            "inprocess_ttft_ms_p50": 1000 * p50(inproc["ttft"]),
+            "stack_ttft_ms_p50": 1000 * p50(stack["ttft"]),
+        })
+    # one round: its figures; several: the median of each figure over the rounds
+    out = {k: p50(r[k] for r in rounds) for k in rounds[0]}
+    out.update({
         "requests": args.requests, "output_tokens": args.output_tokens, "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "omp_spin_count": os.environ.get("GOMP_SPINCOUNT"), "cpu_model": docgen.cpu(),
-        "loadavg_1m": os.getloadavg()[0],
-    }
+        "loadavg_1m": os.getloadavg()[0], "rounds": rounds,
+    })
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{'':24}{'in-process':>12}{'stack':>12}")
-    print(f"{'output tok/s':24}{inproc['tok_s']:12.1f}{stack['tok_s']:12.1f}")
+    for i, r in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"round {i + 1}: in-process {r['inprocess_tok_s']:.1f} tok/s, stack "
+                  f"{r['stack_tok_s']:.1f}: {r['stack_over_inprocess']:.3f}, "
+                  f"{r['added_ms_per_token_p50']:+.2f} ms per token")
+    print(("medians of the rounds:\n" if len(rounds) > 1 else "")
+          + f"{'':24}{'in-process':>12}{'stack':>12}")
+    print(f"{'output tok/s':24}{out['inprocess_tok_s']:12.1f}{out['stack_tok_s']:12.1f}")
     print(f"{'TPOT p50 (ms)':24}{out['inprocess_tpot_ms_p50']:12.2f}{out['stack_tpot_ms_p50']:12.2f}")
     print(f"{'TTFT p50 (ms)':24}{out['inprocess_ttft_ms_p50']:12.1f}{out['stack_ttft_ms_p50']:12.1f}")
     print(f"stack / in-process throughput: {out['stack_over_inprocess']:.3f}")
