@@ -111,10 +111,16 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
             "json_schema": {"type": "object", "required": ["schema"], "properties": {
                 "name": {"type": "string"}, "schema": {"type": "object"},
                 "strict": {"type": "boolean"}}}}}, "the output follows the JSON schema"),
+        # as services/gateway/structured.py reads it: null is an absent key (vLLM's
+        # defaults); json is a schema (an object, or true/false) or the same as a string
         structured_outputs=_opt({"type": "object", "properties": {
-            "json": {"type": "object"}, "regex": {"type": "string"},
-            "choice": {"type": "array", "items": {"type": "string"}},
-            "grammar": {"type": "string"}}}, "vLLM: one of json, regex, choice, grammar"))
+            "json": _opt({"oneOf": [{"type": "object"}, {"type": "boolean"}]},
+                         "a JSON schema (also accepted as a string holding one)"),
+            "regex": _opt({"type": "string", "minLength": 1}),
+            "choice": _opt({"type": "array", "minItems": 1,
+                            "items": {"type": "string", "minLength": 1}}),
+            "grammar": _opt({"type": "string", "minLength": 1})}},
+            "vLLM: one of json, regex, choice, grammar"))
     completion = {"type": "object", "required": ["prompt"],
                   "properties": dict(sampling, prompt=prompt,
                                      max_tokens=_opt({"type": "integer", "minimum": 0,
