@@ -108,9 +108,10 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
     sampling = dict(sampling, response_format=_opt({
         "type": "object", "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-            "json_schema": {"type": "object", "required": ["schema"], "properties": {
-                "name": {"type": "string"}, "schema": {"type": "object"},
-                "strict": {"type": "boolean"}}}}}, "the output follows the JSON schema"),
+            "json_schema": _opt({"type": "object", "required": ["schema"], "properties": {
+                "name": _opt({"type": "string"}), "description": _opt({"type": "string"}),
+                "schema": {"oneOf": [{"type": "object"}, {"type": "boolean"}]},
+                "strict": _opt({"type": "boolean"})}})}}, "the output follows the JSON schema"),
         # as services/gateway/structured.py reads it: null is an absent key (vLLM's
         # defaults); json is a schema (an object, or true/false) or the same as a string
         structured_outputs=_opt({"type": "object", "properties": {
