@@ -153,8 +153,9 @@ def openapi_document(cfg, served_names: list[str], vocab_size: int) -> dict:
                         "type": {"type": "string", "enum": ["function"]},
                         "function": {"type": "object", "required": ["name"], "properties": {
                             "name": {"type": "string", "minLength": 1},
-                            "description": {"type": "string"},
-                            "parameters": {"type": "object"}}}}}},
+                            "description": _opt({"type": "string"}),
+                            "parameters": _opt({"type": "object"}),
+                            "strict": _opt({"type": "boolean"})}}}}},
                     "function tools; calls come back as tool_calls (Hermes-style prompt)"),
                 tool_choice=_opt({"oneOf": [
                     {"type": "string", "enum": ["none", "auto", "required"]},
