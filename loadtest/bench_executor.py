@@ -273,8 +273,8 @@ def main() -> None:
         res["cuda_graph_max_batch"] = args.cuda_graph_max_batch
     model = {"model": args.model} if args.model else {}
     for dt in dtypes:
-        kv = args.kv_cache_dtype if args.kv_cache_dtype in ("auto", dt) or dt == "float32" \
-            else "auto"                       # a 16-bit model's cache is 16-bit already
+        # the flag is for an fp32 model; a 16-bit model keeps its own 16-bit cache
+        kv = args.kv_cache_dtype if dt == "float32" else "auto"
         runner = ModelRunner(ExecutorConfig(dtype=dt, device=args.device, kv_cache_gib=2.5,
                                             kv_cache_dtype=kv, swap_space_gib=0.0,
                                             max_num_batched_tokens=args.budget,

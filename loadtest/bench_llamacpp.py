@@ -50,12 +50,11 @@ import httpx  # noqa: E402
 
 from loadtest.bench_overhead import _one, run_stack, workload  # noqa: E402
 from loadtest.docgen import cpu  # noqa: E402
-from services.launcher import free_port  # noqa: E402
+from services.launcher import EXECUTOR_OPENMP, free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pagedserve" / "llamacpp"
 # What services.launcher.executor_openmp_defaults sets, unless the user's environment did.
-OMP_SET_FOR_PAGEDSERVE = {k for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                          if k not in _USER_ENV}
+OMP_SET_FOR_PAGEDSERVE = set(EXECUTOR_OPENMP) - _USER_ENV
 SLOT_CTX = 512     # per-slot context: the longest prompt (256) + 128 outputs, rounded up
 
 

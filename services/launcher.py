@@ -262,7 +262,9 @@ def redis_too_old(url: str) -> str | None:
             f"{MIN_REDIS[0]} or newer")
 
 
-OMP_SPIN_COUNT = 1000     # libgomp's spin iterations before a waiting thread sleeps
+# What the executor's OpenMP runs with unless the environment says otherwise: sleep after
+# GOMP_SPINCOUNT spin iterations of libgomp (see executor_openmp_defaults).
+EXECUTOR_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
 
 
 def executor_openmp_defaults() -> None:
@@ -277,8 +279,8 @@ def executor_openmp_defaults() -> None:
     spin briefly (GOMP_SPINCOUNT iterations, about 10 µs), then sleep: a step's regions
     follow each other faster than that, the gaps between steps do not (docs/overhead.md,
     the OpenMP wait policy). GOMP_SPINCOUNT=0 in the environment: sleep at once."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", str(OMP_SPIN_COUNT))
+    for name, value in EXECUTOR_OPENMP.items():
+        os.environ.setdefault(name, value)
 
 
 def _run_service(args) -> int:
