@@ -109,17 +109,23 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"not a msgpack message: {exc}") from None
-    if not isinstance(raw, list) or len(raw) < 2:
+    if raw.__class__ is not list or len(raw) < 2:
         raise WireError("message must be [version, type, ...fields]")
-    version, name, *fields = raw
-    if version != WIRE_VERSION:
-        raise WireError(f"wire version {version} not supported (this build speaks {WIRE_VERSION})")
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise WireError(f"unknown message type {name!r}")
-    if expect is not None and cls is not expect:
+    if raw[0] != WIRE_VERSION:
+        raise WireError(f"wire version {raw[0]} not supported (this build speaks {WIRE_VERSION})")
+    name = raw[1]
+    dec = _BY_NAME.get(name) if name.__class__ is str else None
+    if dec is None:
+        cls = _REGISTRY.get(name) if name.__class__ is str else None
+        if cls is None:
+            raise WireError(f"unknown message type {name!r}")
+        dec = _BY_NAME[name] = (cls, _decoder(cls))
+    if expect is not None and dec[0] is not expect:
         raise WireError(f"expected {expect.__name__}, got {name}")
-    return _decoder(cls)(fields)
+    return dec[1](raw[2:])
+
+
+_BY_NAME: dict[str, tuple[type, Callable[[Any], Any]]] = {}   # name -> (class, its decoder)
 
 
 @cache
@@ -137,21 +143,33 @@ def _decoder(tp: Any) -> Callable[[Any], Any]:
                 return tp(*v)
             return dec_plain
 
-        # only the fields that need converting are visited (per output on the gateway's
-        # per-token path: most fields are plain values)
-        convert = [(i, d) for i, d in enumerate(decs) if d is not _identity]
-
-        def dec_dc(v: Any) -> Any:
-            if not isinstance(v, list) or len(v) > len(decs):
-                raise WireError(f"bad {tp.__name__} body")
-            # Older senders may omit trailing fields: those take their defaults.
-            n = len(v)
-            for i, d in convert:
-                if i < n:
-                    v[i] = d(v[i])
-            return tp(*v)
-
-        return dec_dc
+        # Generated per class: only the fields that need converting are visited, without a
+        # loop or a call per field (per output on the gateway's per-token path, where most
+        # fields are plain values). Older senders may omit trailing fields: those take
+        # their defaults.
+        env = {"tp": tp, "WireError": WireError, "bad": f"bad {tp.__name__} body"}
+        lines = ["def dec_dc(v):",
+                 f"    if v.__class__ is not list or len(v) > {len(decs)}:",
+                 "        raise WireError(bad)",
+                 "    n = len(v)"]
+        for i, d in enumerate(decs):
+            if d is _identity:
+                continue
+            hint = hints[fields[i].name]
+            item = _decoder(typing.get_args(hint)[0]) if typing.get_origin(hint) is list else None
+            inner = _optional_inner(hint)
+            if item is not None and item is not _identity:      # list[X]: X converted inline
+                env[f"d{i}"] = item
+                lines += [f"    if n > {i} and v[{i}]:", f"        v[{i}] = [d{i}(x) for x in v[{i}]]"]
+            elif inner is not None:      # X | None: None passes, X is converted
+                env[f"d{i}"] = inner
+                lines += [f"    if n > {i} and v[{i}] is not None:", f"        v[{i}] = d{i}(v[{i}])"]
+            else:
+                env[f"d{i}"] = d
+                lines += [f"    if n > {i}:", f"        v[{i}] = d{i}(v[{i}])"]
+        lines.append("    return tp(*v)")
+        exec("\n".join(lines), env)        # noqa: S102 (our own code, from the annotations)
+        return env["dec_dc"]
     if origin in (list, tuple):
         args = typing.get_args(tp)
         inner = _decoder(args[0]) if args else (lambda x: x)
@@ -175,3 +193,13 @@ def _decoder(tp: Any) -> Callable[[Any], Any]:
 
 def _identity(v: Any) -> Any:
     return v
+
+
+def _optional_inner(tp: Any) -> Callable[[Any], Any] | None:
+    """The decoder of X for an annotation X | None whose X needs converting; else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            inner = _decoder(args[0])
+            return None if inner is _identity else inner
+    return None
