@@ -33,8 +33,10 @@ import logging
 import uuid
 from typing import Awaitable, Callable
 
-from services.gateway.queue import REDIS_DOWN, QueueUnavailable, RequestQueue, read_entry
+from services.gateway.queue import (REDIS_DOWN, QueueUnavailable, RequestQueue, read_entry,
+                                    read_output)
 from shared.messages import RequestOutput
+from shared.redis_keys import MSG_FIELD
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -216,11 +218,12 @@ class StreamFollower:
         it is left for the next read, which starts from its own cursor."""
         decoded = []
         for raw_id, flat in entries:
-            # (an output entry has one field: no pairing up of a longer list)
-            fields = {flat[0]: flat[1]} if len(flat) == 2 else dict(zip(flat[::2], flat[1::2]))
-            out = read_entry(raw_id, fields)
-            if not isinstance(out, RequestOutput):
-                out = None                   # the header, or an undecodable entry
+            if len(flat) == 2 and flat[0] == MSG_FIELD:     # an output: its one field
+                out = read_output(raw_id, flat[1])
+            else:
+                out = read_entry(raw_id, dict(zip(flat[::2], flat[1::2])))
+                if not isinstance(out, RequestOutput):
+                    out = None               # the header, or an undecodable entry
             decoded.append((raw_id.decode(), out))
         for s in subs:
             if s.cursor == read_from:        # (most often: one subscriber per stream)

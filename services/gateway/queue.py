@@ -217,16 +217,25 @@ class RequestQueue:
 def read_entry(entry_id: bytes, fields: dict) -> StreamHeader | RequestOutput | None:
     """What one output-stream entry holds: the stream's header (its first entry, field
     HEADER_FIELD), an output (MSG_FIELD), or None when it cannot be read (logged)."""
-    for name, cls in ((MSG_FIELD, RequestOutput), (HEADER_FIELD, StreamHeader)):
-        data = fields.get(name)
-        if data is not None:
-            try:
-                return decode(data, cls)
-            except WireError as exc:
-                log.warning("skipping undecodable output-stream entry %s: %s",
-                            entry_id.decode(), exc)
-                return None
+    data = fields.get(MSG_FIELD)
+    if data is not None:
+        return read_output(entry_id, data)
+    data = fields.get(HEADER_FIELD)
+    if data is not None:
+        try:
+            return decode(data, StreamHeader)
+        except WireError as exc:
+            log.warning("skipping undecodable output-stream entry %s: %s", entry_id.decode(), exc)
     return None
+
+
+def read_output(entry_id: bytes, data: bytes) -> RequestOutput | None:
+    """An output entry's RequestOutput (its MSG_FIELD's bytes), or None (logged)."""
+    try:
+        return decode(data, RequestOutput)
+    except WireError as exc:
+        log.warning("skipping undecodable output-stream entry %s: %s", entry_id.decode(), exc)
+        return None
 
 
 def _outputs(cursor: str, entries) -> tuple[str, list[tuple[str, RequestOutput]]]:
