@@ -21,6 +21,7 @@ from services.gateway.tools import CallParser, message_calls, stream_entries
 from shared.messages import StreamHeader, TokenLogprob
 
 _FLOOR = -9999.0
+_MARK = "\x00text\x00"     # stands for a chunk's text while its bytes around it are made
 
 
 def dumps(obj) -> bytes:
@@ -48,6 +49,9 @@ class Shapes:
                      "created": spec.created, "model": spec.model}
         self.calls = spec.tool_calls and self.chat
         self.parsers: dict[int, CallParser] = {}     # choice index -> its stream's parser
+        # text_chunk: per choice, the chunk's bytes before and after its text
+        self.around: dict[int, tuple[bytes, bytes]] | None = (
+            None if self.calls or spec.logprobs is not None or spec.continuous_usage else {})
 
     def token(self, t: int) -> str:
         """A token as logprobs name it: its text, or vLLM's "token_id:<id>" when asked."""
@@ -136,6 +140,20 @@ class Shapes:
         if self.spec.include_usage:
             body["usage"] = usage     # None, or the usage so far (continuous_usage_stats)
         return body
+
+    def text_chunk(self, d: ChoiceDelta) -> bytes | None:
+        """dumps(self.chunk([d])) for a delta that only adds text to one choice (most chunks
+        of a stream), from the bytes around the text, made once per choice; None for any
+        other delta (or request: logprobs, tool calls, usage in every chunk)."""
+        if (self.around is None or not d.text or d.finish_reason is not None
+                or d.stop_reason is not None):
+            return None
+        around = self.around.get(d.index)
+        if around is None:
+            head, _, tail = dumps(self.chunk([ChoiceDelta(d.index, _MARK)])).partition(
+                dumps(_MARK))
+            around = self.around[d.index] = (head, tail)
+        return around[0] + dumps(d.text) + around[1]
 
     def role_chunk(self, indices: list[int], usage: dict | None = None) -> dict:
         """The chat stream's first event: every choice learns its role before any text."""

@@ -92,6 +92,7 @@ class GenerationStream:
         self.send = None                    # the ASGI send of the SSE body, once started
         self.writable = None                # the connection's limits.Writable (if any)
         self.pump_error: Exception | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None     # set by _sse
 
     @property
     def done(self) -> bool:
@@ -309,7 +310,11 @@ class GenerationStream:
             if not self.parts[k].proc.done:
                 for d in self._process(k, out):
                     merged[d.index] = join(merged[d.index], d) if d.index in merged else d
-        if merged:
+        if len(merged) == 1:
+            (d,) = merged.values()
+            body = self.shapes.text_chunk(d) or dumps(self.shapes.chunk([d], self._usage_so_far()))
+            frames.append(b"data: " + body + b"\n\n")
+        elif merged:
             deltas = [merged[i] for i in sorted(merged)]
             frames.append(event(None, self.shapes.chunk(deltas, self._usage_so_far())))
 
@@ -336,7 +341,7 @@ class GenerationStream:
             return False
         if self.frames:
             body, self.frames = b"".join(self.frames), []
-            self.quiet_since = asyncio.get_running_loop().time()
+            self.quiet_since = self.loop.time()
             try:
                 await self.send({"type": "http.response.body", "body": body, "more_body": True})
             except Exception as exc:         # raised in _sse, on the response's own task
@@ -346,6 +351,7 @@ class GenerationStream:
 
     async def _sse(self, send) -> None:
         cfg, loop = self.gw.config, asyncio.get_running_loop()
+        self.loop = loop                     # (_pump's clock: no lookup per event)
         ids = self.resumable                 # event ids only on resumable streams
         header_id = self.parts[0].header_id
         if self.spec.kind == "chat" and (self.last_event_id is None or
