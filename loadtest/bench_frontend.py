@@ -72,6 +72,18 @@ def cpu_seconds(pid: int) -> float:
         return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK") + reaped
 
 
+def user_system_ticks(pid: int) -> tuple[int, int]:
+    """(user, system) clock ticks of a live process, all its threads; (0, 0) once gone.
+    Coarse (10 ms), but over a run of seconds it tells how much of a process's CPU the
+    kernel spends for it (its socket writes and loopback TCP)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0, 0
+    return int(fields[11]), int(fields[12])
+
+
 def own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -284,6 +296,7 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         gw_pids = [gw.pid] + children(gw.pid)
         watched = {"gateway": gw_pids, "redis": [redis_proc.pid]}
         cpu0 = {k: sum(map(cpu_seconds, v)) for k, v in watched.items()}
+        ticks0 = [user_system_ticks(p) for p in gw_pids]
         t0 = time.time()
         clients = []
         per = [args.streams // args.client_procs + (i < args.streams % args.client_procs)
@@ -299,6 +312,9 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
             c.wait(timeout=args.timeout)
         src.wait(timeout=30)
         cpu = {k: sum(map(cpu_seconds, v)) - cpu0[k] for k, v in watched.items()}
+        ticks = [tuple(b - a for a, b in zip(t0_, user_system_ticks(p)))
+                 for p, t0_ in zip(gw_pids, ticks0)]
+        gw_user, gw_sys = sum(t[0] for t in ticks), sum(t[1] for t in ticks)
         source = json.loads(src_out.read_text())
         published, cpu["source"] = source["published"], source["cpu_s"]
         got: dict = {}
@@ -342,6 +358,8 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         "tokens_per_s": round(tokens / wall, 1), "wall_s": round(wall, 2),
         "tokens_per_event": round(tokens / max(1, events), 2),
         "cpu_us_per_token": {k: round(1e6 * v / max(1, tokens), 2) for k, v in cpu.items()},
+        # the share of the gateway's CPU spent in the kernel (/proc's ticks)
+        "gateway_kernel_share": round(gw_sys / max(1, gw_user + gw_sys), 2),
         "added_ms_p50": round(pct(lat, 50), 2), "added_ms_p99": round(pct(lat, 99), 2),
         "since_start_s": round(time.time() - t0, 1),
     }
