@@ -45,6 +45,11 @@ class TokenVocab:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         if decoder is not None and "ByteLevel" in repr(decoder):
             self.token_bytes = self._byte_table(tokenizer, added)
+        # Each token's text when its bytes are whole characters, else None: between
+        # characters, a token's delta is that text without a decoder step.
+        self.token_text: list[str | None] | None = None
+        if self.token_bytes is not None:
+            self.token_text = [_whole(b) for b in self.token_bytes]
 
     @staticmethod
     def _byte_table(tokenizer, added) -> list[bytes] | None:
@@ -75,10 +80,17 @@ class TokenVocab:
         return list(self.piece(token_id).encode())
 
 
+def _whole(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class IncrementalDetokenizer:
     """Feed token ids one at a time with `push`; call `finish` once at the end."""
 
-    __slots__ = ("vocab", "skip_special", "_utf8", "_ids", "_prefix", "_read")
+    __slots__ = ("vocab", "skip_special", "_utf8", "_ids", "_prefix", "_read", "_between")
 
     def __init__(self, vocab: TokenVocab, skip_special_tokens: bool = True) -> None:
         self.vocab = vocab
@@ -87,6 +99,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0   # generic path: window start (tokens already emitted as context)
         self._read = 0     # generic path: tokens before this index have been emitted
+        self._between = True   # byte-level: the decoder holds no part of a character
 
     def push(self, token_id: int) -> str:
         """The text this token completes ('' while a character is still incomplete)."""
@@ -94,13 +107,21 @@ class IncrementalDetokenizer:
             return ""
         table = self.vocab.token_bytes
         if table is not None:
-            data = table[token_id] if 0 <= token_id < len(table) else b""
-            return self._utf8.decode(data)
+            if not 0 <= token_id < len(table):
+                return ""
+            if self._between:
+                text = self.vocab.token_text[token_id]
+                if text is not None:
+                    return text
+            text = self._utf8.decode(table[token_id])
+            self._between = not self._utf8.getstate()[0]
+            return text
         return self._push_generic(token_id)
 
     def finish(self) -> str:
         """Whatever is still held back (an incomplete character becomes U+FFFD, as in decode)."""
         if self.vocab.token_bytes is not None:
+            self._between = True
             return self._utf8.decode(b"", final=True)
         decode = self.vocab.tokenizer.decode
         window = decode(self._ids[self._prefix:], skip_special_tokens=self.skip_special)
