@@ -26,6 +26,11 @@ The figures and the command that measured them are in docs/benchmarks.md.
 Workload (loadtest/bench_overhead.py's): 64 prompts of 32-256 random token ids, greedy,
 exactly 128 output tokens each (ignore_eos), all sent at once as streaming completions.
 Output tok/s = 64 x 128 / wall time from the first request sent to the last token received.
+
+Both servers' rates are also given as a fraction of the fp32 matmul roofline measured in the
+same run (bench_executor's: the fastest big fp32 GEMM over 2 x parameters, counting every
+processed token, prompt and output): `pagedserve_fp32_roofline_frac` of the float32 run is
+how close the whole stack comes to what the machine's fp32 GEMM allows.
 """
 from __future__ import annotations
 
@@ -169,6 +174,22 @@ def run_llama_server(binary: Path, model: Path, prompts, out_tokens: int, thread
             "tokens": tokens}
 
 
+def fp32_roofline(prompts, out_tokens: int) -> dict:
+    """The fp32 matmul roofline of the workload on this machine, as bench_executor defines
+    it: the fastest big fp32 GEMM (FLOP/s, measured now) over 2 x the model's parameters,
+    in processed tokens (prompt and output) per second; and processed tokens per output
+    token, to turn an output rate into a processed one."""
+    from loadtest.bench_executor import sgemm_flops
+    from services.executor.model_loader import ensure_hf_folder, read_args
+    from shared.model_source import resolve_model
+
+    params = read_args(ensure_hf_folder(resolve_model())).num_params
+    flops = max(sgemm_flops().values())
+    outputs = len(prompts) * out_tokens
+    return {"flops": flops, "tok_s": flops / (2 * params),
+            "processed_per_output": (sum(map(len, prompts)) + outputs) / outputs}
+
+
 def _check_output_length(url: str, prompt, out_tokens: int) -> None:
     """One unstreamed request: llama-server must honour ignore_eos and max_tokens, or the
     timed run would count tokens it never made."""
@@ -214,6 +235,8 @@ def main() -> None:
                  "threads": threads, "kv_cache_dtype": args.kv_cache_dtype,
                  "llamacpp_kv_cache": "f16",
                  "loadavg_start": os.getloadavg()[0], "cpu": cpu()}
+    roofline = fp32_roofline(prompts, args.output_tokens)
+    out["fp32_matmul_gflops"] = round(roofline["flops"] / 1e9, 1)
     for dtype in args.dtypes.split(","):
         model = dequantised_gguf(bundled_gguf(), dtype, CACHE)
         llama = run_llama_server(binary, model, prompts, args.output_tokens, threads)
@@ -222,10 +245,15 @@ def main() -> None:
             max_num_seqs=args.requests,
             max_batched_tokens=2048))
         ratio = ours["tok_s"] / llama["tok_s"]
+        # each side's processed tokens/s against the fp32 roofline (a figure of the fp32 runs)
+        frac = {k: v * roofline["processed_per_output"] / roofline["tok_s"]
+                for k, v in (("pagedserve", ours["tok_s"]), ("llamacpp", llama["tok_s"]))}
         out[dtype] = {"pagedserve_tok_s": ours["tok_s"], "llamacpp_tok_s": llama["tok_s"],
-                      "ratio": ratio}
+                      "ratio": ratio, "pagedserve_fp32_roofline_frac": round(frac["pagedserve"], 3),
+                      "llamacpp_fp32_roofline_frac": round(frac["llamacpp"], 3)}
         say(f"{dtype:9s} pagedserve {ours['tok_s']:8.1f} output tok/s, llama-server "
-            f"{llama['tok_s']:8.1f}: {ratio:.2f}x")
+            f"{llama['tok_s']:8.1f}: {ratio:.2f}x; of the fp32 matmul roofline "
+            f"{frac['pagedserve']:.2f} and {frac['llamacpp']:.2f}")
     out["loadavg_end"] = os.getloadavg()[0]
     say(f"load average (1 min) at start {out['loadavg_start']:.2f}, at end "
         f"{out['loadavg_end']:.2f}; {out['cpu']}")
