@@ -4,6 +4,11 @@ ratio bf16 / fp32 (what `--kv-cache-dtype bfloat16` saves an fp32 model's decode
 
     python loadtest/bench_decode_attention.py                  # SmolLM2-135M's shape
     python loadtest/bench_decode_attention.py --batch 64 --context 200 --rounds 3 --json
+    python loadtest/bench_decode_attention.py --baseline HEAD  # against HEAD's kernel
+
+--baseline REV builds the kernel source of git revision REV (services/executor/
+cpu_kernels.c, with cpu_kernels.py's flags) beside the current one and times both on the
+same pools, alternating which goes first, and reports the median of each with the ratio.
 
 Each layer has its own pool with the blocks of every sequence in shuffled order, as a
 pool looks after some serving; the query is random (the kernel's cost does not depend on
@@ -12,10 +17,13 @@ the values).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +36,7 @@ import torch  # noqa: E402
 from services.executor import cpu_kernels  # noqa: E402
 
 
-def step_ms(dtype: torch.dtype, args, reps: int) -> float:
+def make_inputs(dtype: torch.dtype, args):
     g = torch.Generator().manual_seed(0)
     per_seq = -(-args.context // args.block_size)
     nblocks = args.batch * per_seq
@@ -38,17 +46,46 @@ def step_ms(dtype: torch.dtype, args, reps: int) -> float:
     tables = torch.randperm(nblocks, generator=g).view(args.batch, per_seq).to(torch.int32)
     lens = torch.full((args.batch,), args.context, dtype=torch.int32)
     q = torch.randn(args.batch, args.heads, args.head_dim, generator=g)
+    return pools, tables, lens, q
+
+
+def step_ms(lib: ctypes.CDLL, inputs, args, reps: int) -> float:
+    """ms per decode step of `lib`'s kernel (decode_attention reads the module's library,
+    swapped in for the measurement)."""
+    pools, tables, lens, q = inputs
     scale = args.head_dim ** -0.5
 
     def step():
         for k, v in pools:
             cpu_kernels.decode_attention(q, k, v, tables, lens, args.context, scale)
 
-    step()                                   # warm-up: page in the pools
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        step()
-    return (time.perf_counter() - t0) / reps * 1e3
+    saved, cpu_kernels._lib = cpu_kernels._lib, lib
+    try:
+        step()                               # warm-up: page in the pools
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        return (time.perf_counter() - t0) / reps * 1e3
+    finally:
+        cpu_kernels._lib = saved
+
+
+def build_baseline(rev: str, tmp: Path) -> ctypes.CDLL:
+    """REV's cpu_kernels.c compiled and linked as cpu_kernels.py does, with the current
+    library's ctypes signatures (the decode kernel's arguments are the same)."""
+    repo = Path(__file__).resolve().parents[1]
+    src = tmp / "cpu_kernels.c"
+    src.write_bytes(subprocess.run(["git", "show", f"{rev}:services/executor/cpu_kernels.c"],
+                                   cwd=repo, check=True, capture_output=True).stdout)
+    cc = os.environ.get("CC", "gcc")
+    obj, so = tmp / "cpu_kernels.o", tmp / "cpu_kernels.so"
+    subprocess.run([cc, *cpu_kernels._CFLAGS, "-c", str(src), "-o", str(obj)], check=True)
+    subprocess.run([cc, *cpu_kernels._LDFLAGS, str(obj), "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    cur = cpu_kernels.kernels()
+    lib.paged_decode_attention.argtypes = cur.paged_decode_attention.argtypes
+    lib.paged_decode_attention.restype = cur.paged_decode_attention.restype
+    return lib
 
 
 def main() -> None:
@@ -62,14 +99,27 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5, help="steps timed per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="fp32, bf16 measurements in turn")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also time the kernel of git revision REV, alternating with this one")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if cpu_kernels.kernels() is None:
+    lib = cpu_kernels.kernels()
+    if lib is None:
         sys.exit("bench_decode_attention: the C kernels are not built here (no C compiler?)")
-    ms: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-    for _ in range(args.rounds):
-        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            ms[name].append(step_ms(dtype, args, args.reps))
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_baseline(args.baseline, Path(tmp)) if args.baseline else None
+        ms: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        base_ms: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        for r in range(args.rounds):
+            for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+                inputs = make_inputs(dtype, args)
+                # which one runs first alternates from round to round
+                for which in ((lib, base) if r % 2 == 0 else (base, lib)):
+                    if which is lib:
+                        ms[name].append(step_ms(lib, inputs, args, args.reps))
+                    elif which is not None:
+                        base_ms[name].append(step_ms(base, inputs, args, args.reps))
+                del inputs
     tokens = args.layers * args.batch * args.context
     row = args.kv_heads * args.head_dim * 2           # K and V elements per token and layer
     out = {"batch": args.batch, "context": args.context, "layers": args.layers,
@@ -79,6 +129,11 @@ def main() -> None:
                         / (statistics.median(v) / 1e3) / 1e9 for k, v in ms.items()},
            "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
     out["speedup_bf16"] = out["ms_per_step_median"]["float32"] / out["ms_per_step_median"]["bfloat16"]
+    if base is not None:
+        med = {k: statistics.median(v) for k, v in base_ms.items()}
+        out["baseline"] = {"rev": args.baseline, "ms_per_step": base_ms,
+                           "ms_per_step_median": med,
+                           "speedup": {k: med[k] / out["ms_per_step_median"][k] for k in med}}
     if args.json:
         print(json.dumps(out))
         return
@@ -86,6 +141,12 @@ def main() -> None:
         print(f"{k:9s} cache: " + ", ".join(f"{x:.1f}" for x in ms[k])
               + f" ms per step; {out['gb_per_s'][k]:.1f} GB/s read")
     print(f"bf16 cache / fp32 cache: {out['speedup_bf16']:.2f}x faster")
+    if base is not None:
+        b = out["baseline"]
+        for k in ms:
+            print(f"{k:9s} cache, {args.baseline}: " + ", ".join(f"{x:.1f}" for x in base_ms[k])
+                  + f" ms per step; median {b['ms_per_step_median'][k]:.1f} -> "
+                  f"{out['ms_per_step_median'][k]:.1f}: {b['speedup'][k]:.2f}x faster")
 
 
 if __name__ == "__main__":
