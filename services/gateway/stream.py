@@ -54,10 +54,12 @@ RESUMABLE_HEADER = "x-resumable-stream"     # request header that opts in (value
 GRACE_POLL_S = 0.25                         # during the grace period: how often readers are read
 
 
-def event(entry_id: str | None, body: dict) -> bytes:
+def event(entry_id: str | None, body: dict | bytes) -> bytes:
+    """One SSE event; `body` a JSON object, or its bytes already encoded."""
+    data = body if isinstance(body, bytes) else dumps(body)
     if entry_id:
-        return b"id: " + entry_id.encode() + b"\ndata: " + dumps(body) + b"\n\n"
-    return b"data: " + dumps(body) + b"\n\n"
+        return b"id: " + entry_id.encode() + b"\ndata: " + data + b"\n\n"
+    return b"data: " + data + b"\n\n"
 
 
 class Part:
@@ -310,13 +312,10 @@ class GenerationStream:
             if not self.parts[k].proc.done:
                 for d in self._process(k, out):
                     merged[d.index] = join(merged[d.index], d) if d.index in merged else d
-        if len(merged) == 1:
-            (d,) = merged.values()
-            body = self.shapes.text_chunk(d) or dumps(self.shapes.chunk([d], self._usage_so_far()))
-            frames.append(b"data: " + body + b"\n\n")
-        elif merged:
+        if merged:
             deltas = [merged[i] for i in sorted(merged)]
-            frames.append(event(None, self.shapes.chunk(deltas, self._usage_so_far())))
+            body = self.shapes.text_chunk(deltas[0]) if len(deltas) == 1 else None
+            frames.append(event(None, body or self.shapes.chunk(deltas, self._usage_so_far())))
 
     def _build(self, outputs) -> None:
         if self.resumable:                   # event ids only on resumable streams
