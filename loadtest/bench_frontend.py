@@ -56,14 +56,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (utime is [11]); None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process (all its threads, live or exited; read from its
     POSIX CPU clock, to the nanosecond) and of its reaped children (s); 0 once it is gone.
     /proc's tick count alone is 10 ms coarse: a small run's delta would round to 0."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    fields = _stat(pid)
+    if fields is None:
         return 0.0
     reaped = sum(int(x) for x in fields[13:15]) / os.sysconf("SC_CLK_TCK")
     try:
@@ -76,12 +83,8 @@ def user_system_ticks(pid: int) -> tuple[int, int]:
     """(user, system) clock ticks of a live process, all its threads; (0, 0) once gone.
     Coarse (10 ms), but over a run of seconds it tells how much of a process's CPU the
     kernel spends for it (its socket writes and loopback TCP)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0, 0
-    return int(fields[11]), int(fields[12])
+    fields = _stat(pid)
+    return (0, 0) if fields is None else (int(fields[11]), int(fields[12]))
 
 
 def own_cpu_s() -> float:
