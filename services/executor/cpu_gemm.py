@@ -2,7 +2,8 @@
 
 Three candidates, each with its own packed weight layout, packed once at load:
 
-    "avx512"   the engine's own kernel (cpu_kernels.c): needs a C compiler and AVX-512
+    "engine"   the engine's own kernel (cpu_kernels.c): needs a C compiler and AVX-512,
+               or AVX2 and FMA
     "mkl"      MKL's packed sgemm (torch.ops.mkl._mkl_linear)
     "onednn"   oneDNN's matmul (torch.ops.mkldnn._linear_pointwise)
 
@@ -31,7 +32,7 @@ from services.executor import cpu_kernels
 
 log = logging.getLogger(__name__)
 
-FP32_GEMMS = ("avx512", "mkl", "onednn")
+FP32_GEMMS = ("engine", "mkl", "onednn")
 
 # Bytes read between timed products so that the weight comes from memory, as in a decode
 # step (which reads every weight of the model once): more than a core's share of a
@@ -41,7 +42,7 @@ EVICT_BYTES = 256 << 20
 
 def pack_weight(gemm: str, w: torch.Tensor) -> torch.Tensor:
     """`w` packed once for one packed fp32 GEMM's calls."""
-    if gemm == "avx512":
+    if gemm == "engine":
         return cpu_kernels.pack_linear(w)
     if gemm == "mkl":
         return torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
@@ -53,7 +54,7 @@ def packed_gemm(gemm: str, w: torch.Tensor, b: torch.Tensor | None = None
     """(packed weight, run) of one packed fp32 GEMM; run(x) = x W^T + b. (Linear.__call__
     in llama.py makes the same calls on its hot path, without the closure.)"""
     packed = pack_weight(gemm, w)
-    if gemm == "avx512":
+    if gemm == "engine":
         return packed, lambda x: cpu_kernels.linear(x, packed, w.shape[0], b)
     rows = min_rows(gemm, packed, w, b)
     if gemm == "mkl":
@@ -65,7 +66,7 @@ def min_rows(gemm: str, packed: torch.Tensor, w: torch.Tensor,
              b: torch.Tensor | None = None) -> int:
     """Fewer rows than this run padded to it on this packed weight, so that a row gets the
     bits it gets in any batch: MKL's `mkl_min_rows`; oneDNN 2 where it runs a single row
-    otherwise than two (`onednn_pads_one_row`), else 1; the AVX-512 kernel 1."""
+    otherwise than two (`onednn_pads_one_row`), else 1; the engine's kernel 1."""
     if gemm == "mkl":
         return mkl_min_rows(packed, w, b)
     if gemm == "onednn":
@@ -163,7 +164,7 @@ def gemm_available(gemm: str) -> bool:
     """This torch build and CPU can run the GEMM (its library is there and a product runs)."""
     if gemm == "onednn" and not torch.backends.mkldnn.is_available():
         return False
-    if gemm == "avx512" and not cpu_kernels.linear_available():
+    if gemm == "engine" and not cpu_kernels.linear_available():
         return False
     try:
         _, _, run = _probe(gemm)
@@ -204,9 +205,9 @@ def usable_gemms() -> list[str]:
 
 
 def pick_fp32_gemm(weight: torch.Tensor) -> str | None:
-    """The packed fp32 GEMM to use: "avx512", "mkl", "onednn", or None (plain F.linear).
+    """The packed fp32 GEMM to use: "engine", "mkl", "onednn", or None (plain F.linear).
 
-    PAGEDSERVE_CPU_GEMM=avx512|mkl|onednn forces one (when it is usable here); by default
+    PAGEDSERVE_CPU_GEMM=engine|mkl|onednn forces one (when it is usable here); by default
     each is timed on `weight` (the largest projection of the first layer) at 64 and 512 rows,
     the sizes of decode and prefill steps, with the weight coming from memory, on this
     process's threads (about 0.4 s at start), and the one with the lowest time per row,
@@ -247,6 +248,22 @@ def time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
                 times.append(time.perf_counter() - t0)
             total += statistics.median(times) / m
     return total
+
+
+def bf16_gemm() -> str | None:
+    """The packed GEMM of a bf16 model: "onednn" where the CPU multiplies bf16 itself (AMX,
+    AVX-512 bf16) and torch packs bf16 for oneDNN; else "engine", the engine's own GEMM
+    over bf16 weights widened to fp32 in registers (AVX2 or AVX-512 without bf16: on a Zen 3
+    torch's plain bf16 GEMM gave 28.5 output tok/s against fp32's 164.7,
+    loadtest/bench_llamacpp.py); else "onednn" where it packs bf16 anyway; else None
+    (F.linear). PAGEDSERVE_CPU_GEMM=engine|onednn forces one where it is usable."""
+    native = cpu_bf16()[1] is not None and bf16_packing()
+    usable = [g for g, ok in (("onednn", native), ("engine", cpu_kernels.linear_available()),
+                              ("onednn", bf16_packing())) if ok]
+    forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
+    gemm = forced if forced in usable else usable[0] if usable else None
+    log.info("bf16 GEMM: %s", gemm or "the plain GEMM")
+    return gemm
 
 
 def cpu_bf16() -> tuple[str, str | None]:

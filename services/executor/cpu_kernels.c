@@ -11,7 +11,7 @@
  *   (each of the three also as ..._bf16, for a bf16 model: same steps, bf16 rows)
  *   greedy_logprobs          per row: the first argmax and its log_softmax value
  *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
- *   linear_packed            panels (AVX-512 only; see the section below); optionally
+ *   linear_packed            panels (AVX-512, or AVX2 + FMA; see below); optionally
  *                            y += x W^T + b, or silu(gate) * up of a [gate | up] weight
  *
  * Why C: decode attention on a CPU is bound by memory traffic. The torch path gathers
@@ -365,126 +365,228 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t v, int64_t ld, i
  * because they leave the weight stream to the hardware prefetcher. This kernel asks for
  * the weight ahead of time itself.
  *
- * Packed layout: W in panels of NR = 32 output columns, panel p = [K][32] floats
+ * One source for two instruction sets: with AVX-512 a vector holds VW = 16 floats and a
+ * tile is up to MR = 14 rows (28 of the 32 zmm registers accumulate); with AVX2 + FMA
+ * (Zen 2/3, Intel before Skylake-X) VW = 8 and MR = 6 (12 of the 16 ymm registers).
+ * Packed layout: W in panels of NR = 2 VW output columns, panel p = [K][NR] floats
  * (columns past N are zero), so a panel is one contiguous stream and each k-step of the
- * micro-kernel loads one 128-byte row of it. Each thread takes a contiguous range of
- * panels. For each panel the micro-kernel computes tiles of up to MR = 14 rows x 32
- * columns in 28 vector accumulators (row values broadcast from x, copied into tiles
- * [K][rows] that stay in L2), and while it does, it prefetches the thread's next panel
- * into L2, spread evenly over the panel's tiles: one line every few k-steps instead of a
- * burst that stalls the FMAs. Rows are taken in blocks of about 1 MiB of x, so that large
- * prefill batches also stay in L2. Measured on 2 cores (Xeon with AVX-512, SmolLM2's four
- * projections, 30 layers, weights from memory; loadtest/bench_cpu_gemm.py): 1.3-1.7x
- * oneDNN up to 128 rows, 1.2x at 256, level at 512, 0.97x at 2048 rows.
+ * micro-kernel loads one row of it (two vectors). Each thread takes a contiguous range of
+ * panels. For each panel the micro-kernel computes tiles of up to MR rows x NR columns in
+ * 2 MR vector accumulators (row values broadcast from x, copied into tiles [K][rows] that
+ * stay in L2), and while it does, it prefetches the thread's next panel into L2, spread
+ * evenly over the panel's tiles: one line every few k-steps instead of a burst that stalls
+ * the FMAs. Rows are taken in blocks of about 1 MiB of x, so that large prefill batches
+ * also stay in L2. Measured on 2 cores (Xeon with AVX-512, SmolLM2's four projections, 30
+ * layers, weights from memory; loadtest/bench_cpu_gemm.py): 1.3-1.7x oneDNN up to 128
+ * rows, 1.2x at 256, level at 512, 0.97x at 2048 rows (docs/executor.md has the AVX2
+ * figures).
  */
-#define GEMM_NR 32
+#if defined(__AVX512F__)
+#define GEMM_VW 16
 #define GEMM_MR 14
+typedef __m512 vec_t;
+typedef __mmask16 vmask_t;
+#define V_LOAD(p) _mm512_load_ps(p)
+#define V_LOADU(p) _mm512_loadu_ps(p)
+#define V_STOREU(p, v) _mm512_storeu_ps(p, v)
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_MLOAD(m, p) _mm512_maskz_loadu_ps(m, p)
+#define V_MSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+static inline vmask_t lanes(int64_t n) {              /* the first n of 16 lanes */
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMM_VW 8
+#define GEMM_MR 6
+typedef __m256 vec_t;
+typedef __m256i vmask_t;
+#define V_LOAD(p) _mm256_load_ps(p)
+#define V_LOADU(p) _mm256_loadu_ps(p)
+#define V_STOREU(p, v) _mm256_storeu_ps(p, v)
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_ZERO() _mm256_setzero_ps()
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_MLOAD(m, p) _mm256_maskload_ps(p, m)      /* masked-off lanes are not read */
+#define V_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+static inline vmask_t lanes(int64_t n) {              /* the first n of 8 lanes */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
 
-#ifdef __AVX512F__
+#ifdef GEMM_VW
+#define GEMM_NR (2 * GEMM_VW)
 int linear_packed_available(void) { return 1; }
+int linear_packed_nr(void) { return GEMM_NR; }
 
-/* w [N, K] -> panels of 32 columns. With glu = 1, w is a fused [gate | up] weight [2I, K]
- * (N = 2I) and each panel holds 16 gate columns, then the 16 up columns of the same
- * outputs, so that one tile ends with both halves of silu(gate) * up in registers. */
-void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
+/* w [N, K] -> panels of NR columns, `esize` bytes per value (4: fp32, 2: bf16; the bf16
+ * panels are read by linear_packed_bf16). With glu = 1, w is a fused [gate | up] weight
+ * [2I, K] (N = 2I) and each panel holds VW gate columns, then the VW up columns of the
+ * same outputs, so that one tile ends with both halves of silu(gate) * up in registers. */
+static void pack_panels(const char *w, int64_t n, int64_t k, int glu, char *out, int esize,
                         int num_threads) {
-    int64_t half = n / 2, panels = glu ? (half + 15) / 16 : (n + GEMM_NR - 1) / GEMM_NR;
+    int64_t half = n / 2, panels = glu ? (half + GEMM_VW - 1) / GEMM_VW
+                                       : (n + GEMM_NR - 1) / GEMM_NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t kk = 0; kk < k; kk++)
             for (int64_t j = 0; j < GEMM_NR; j++) {
                 int64_t col = p * GEMM_NR + j, ok = col < n;
                 if (glu) {
-                    col = p * 16 + j % 16;
+                    col = p * GEMM_VW + j % GEMM_VW;
                     ok = col < half;
-                    col += j < 16 ? 0 : half;
+                    col += j < GEMM_VW ? 0 : half;
                 }
-                out[(p * k + kk) * GEMM_NR + j] = ok ? w[col * k + kk] : 0.f;
+                char *dst = out + ((p * k + kk) * GEMM_NR + j) * esize;
+                if (ok) memcpy(dst, w + (col * k + kk) * esize, (size_t)esize);
+                else memset(dst, 0, (size_t)esize);
             }
+}
+
+void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
+                        int num_threads) {
+    pack_panels((const char *)w, n, k, glu, (char *)out, 4, num_threads);
+}
+
+void pack_linear_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
+                             int num_threads) {
+    pack_panels((const char *)w, n, k, glu, (char *)out, 2, num_threads);
 }
 
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
 
-/* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:32] = r (EPI_STORE),
- * y += r (EPI_ADD), or y[0:mr, 0:16] = silu(r[:, :16]) * r[:, 16:] (EPI_GLU), masked to
- * the valid columns. `mr` is a constant in each copy made by gemm_tile, so acc lives in
- * registers. While it runs, lines [0, nlines) of `pf` are prefetched, `per` every
- * `every` k-steps. */
+/* VW weights of a panel row as fp32: loaded, or (bf = 1) bf16 widened in the register. */
+static inline __attribute__((always_inline)) vec_t load_w(const void *panel, int64_t off,
+                                                           int bf) {
+    if (!bf) return V_LOAD((const float *)panel + off);
+    const uint16_t *src = (const uint16_t *)panel + off;
+#if GEMM_VW == 16
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)src)), 16));
+#else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_load_si128((const __m128i *)src)), 16));
+#endif
+}
+
+/* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:NR] = r (EPI_STORE),
+ * y += r (EPI_ADD), or y[0:mr, 0:VW] = silu(r[:, :VW]) * r[:, VW:] (EPI_GLU), masked to
+ * the `ncols` valid columns (m0, m1 as lane masks). `mr` and `bf` are constants in each
+ * copy made by gemm_tile, so acc lives in registers. With bf = 1 the panel and y are bf16:
+ * the sums are fp32 and every value is rounded to bf16 where torch's bf16 ops round it
+ * (the product; then the sum with y; or gate and up, silu(gate), and the product, as
+ * silu_and_mul_bf16). While the tile runs, 64-byte lines [0, nlines) of `pf` are
+ * prefetched, `per` every `every` k-steps. */
 static inline __attribute__((always_inline)) void
-gemm_tile_impl(const int mr, const float *xt, const float *panel, int64_t k,
-               const float *bias, __mmask16 m0, __mmask16 m1, float *y, int64_t ldy,
-               const float *pf, int64_t every, int64_t per, int64_t nlines, int epi) {
-    __m512 acc[GEMM_MR][2];
-    __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-    __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
+               const float *bias, vmask_t m0, vmask_t m1, int64_t ncols, void *y, int64_t ldy,
+               const char *pf, int64_t every, int64_t per, int64_t nlines, int epi,
+               const int bf) {
+    vec_t acc[GEMM_MR][2];
+    vec_t b0 = bias ? V_MLOAD(m0, bias) : V_ZERO();
+    vec_t b1 = bias ? V_MLOAD(m1, bias + GEMM_VW) : V_ZERO();
     for (int r = 0; r < mr; r++) {
         acc[r][0] = b0;
         acc[r][1] = b1;
     }
     for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
-        __m512 w0 = _mm512_load_ps(panel + kk * GEMM_NR);
-        __m512 w1 = _mm512_load_ps(panel + kk * GEMM_NR + 16);
+        vec_t w0 = load_w(panel, kk * GEMM_NR, bf);
+        vec_t w1 = load_w(panel, kk * GEMM_NR + GEMM_VW, bf);
         if (--wait <= 0) {                 /* a countdown: no division in this loop */
             wait = every;
             for (int64_t e = line + per; line < e && line < nlines; line++)
-                _mm_prefetch((const char *)(pf + line * 16), _MM_HINT_T1);
+                _mm_prefetch(pf + line * 64, _MM_HINT_T1);
         }
         for (int r = 0; r < mr; r++) {
-            __m512 a = _mm512_set1_ps(xt[kk * mr + r]);
-            acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+            vec_t a = V_SET1(xt[kk * mr + r]);
+            acc[r][0] = V_FMA(a, w0, acc[r][0]);
+            acc[r][1] = V_FMA(a, w1, acc[r][1]);
         }
     }
-    if (epi == EPI_GLU) {       /* the scalar formula of silu_and_mul, vectorised by gcc */
-        float g[GEMM_MR * 16], u[GEMM_MR * 16];
+    if (bf) {                  /* rounded to bf16 one value at a time (few next to the FMAs) */
+        float t[GEMM_MR * GEMM_NR];
         for (int r = 0; r < mr; r++) {
-            _mm512_storeu_ps(g + r * 16, acc[r][0]);
-            _mm512_storeu_ps(u + r * 16, acc[r][1]);
+            V_STOREU(t + r * GEMM_NR, acc[r][0]);
+            V_STOREU(t + r * GEMM_NR + GEMM_VW, acc[r][1]);
         }
-        for (int i = 0; i < mr * 16; i++) g[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
-        for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_loadu_ps(g + r * 16));
+        for (int r = 0; r < mr; r++) {
+            uint16_t *yr = (uint16_t *)y + r * ldy;
+            const float *tr = t + r * GEMM_NR;
+            for (int64_t j = 0; j < ncols; j++) {
+                if (epi == EPI_GLU) {
+                    float g = bf2f(f2bf(tr[j])), u = bf2f(f2bf(tr[GEMM_VW + j]));
+                    yr[j] = f2bf(bf2f(f2bf(g / (1.f + expf(fminf(-g, 80.f))))) * u);
+                } else if (epi == EPI_ADD) {
+                    yr[j] = f2bf(bf2f(yr[j]) + bf2f(f2bf(tr[j])));
+                } else {
+                    yr[j] = f2bf(tr[j]);
+                }
+            }
+        }
+        return;
+    }
+    float *yf = (float *)y;
+    if (epi == EPI_GLU) {       /* the scalar formula of silu_and_mul, vectorised by gcc */
+        float g[GEMM_MR * GEMM_VW], u[GEMM_MR * GEMM_VW];
+        for (int r = 0; r < mr; r++) {
+            V_STOREU(g + r * GEMM_VW, acc[r][0]);
+            V_STOREU(u + r * GEMM_VW, acc[r][1]);
+        }
+        for (int i = 0; i < mr * GEMM_VW; i++)
+            g[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
+        for (int r = 0; r < mr; r++) V_MSTORE(yf + r * ldy, m0, V_LOADU(g + r * GEMM_VW));
         return;
     }
     for (int r = 0; r < mr; r++) {
-        __m512 a0 = acc[r][0], a1 = acc[r][1];
+        vec_t a0 = acc[r][0], a1 = acc[r][1];
         if (epi == EPI_ADD) {   /* (x W^T + b) rounded, then added: as F.linear, then add_ */
-            a0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, y + r * ldy), a0);
-            a1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, y + r * ldy + 16), a1);
+            a0 = V_ADD(V_MLOAD(m0, yf + r * ldy), a0);
+            a1 = V_ADD(V_MLOAD(m1, yf + r * ldy + GEMM_VW), a1);
         }
-        _mm512_mask_storeu_ps(y + r * ldy, m0, a0);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1);
+        V_MSTORE(yf + r * ldy, m0, a0);
+        V_MSTORE(yf + r * ldy + GEMM_VW, m1, a1);
     }
 }
 
-static void gemm_tile(int mr, const float *xt, const float *panel, int64_t k,
-                      const float *bias, __mmask16 m0, __mmask16 m1, float *y, int64_t ldy,
-                      const float *pf, int64_t every, int64_t per, int64_t nlines, int epi) {
+static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
+                      const float *bias, vmask_t m0, vmask_t m1, int64_t ncols, void *y,
+                      int64_t ldy, const char *pf, int64_t every, int64_t per, int64_t nlines,
+                      int epi, int bf) {
+#define TILE(R) case R: \
+    if (bf) gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
+                           nlines, epi, 1); \
+    else gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
+                        nlines, epi, 0); \
+    break;
     switch (mr) {
-#define TILE(R) case R: gemm_tile_impl(R, xt, panel, k, bias, m0, m1, y, ldy, pf, every, \
-                                       per, nlines, epi); break;
-    TILE(14) TILE(13) TILE(12) TILE(11) TILE(10) TILE(9) TILE(8)
-    TILE(7) TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) TILE(1)
-#undef TILE
+#if GEMM_MR > 6
+    TILE(14) TILE(13) TILE(12) TILE(11) TILE(10) TILE(9) TILE(8) TILE(7)
+#endif
+    TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) TILE(1)
     }
+#undef TILE
 }
 
-static inline __mmask16 lanes(int64_t n) {            /* the first n of 16 lanes */
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
-}
-
-/* x [M, K] rows `ldx` apart; packed from pack_linear_weight; bias [N] or NULL (and NULL
- * with EPI_GLU); y [M, N] rows `ldy` apart, or [M, I] with EPI_GLU (N = 2I).
- * Returns 0, or -1 when the buffer of x tiles cannot be allocated. */
-int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
-                  int64_t n, const float *bias, float *y, int64_t ldy, int epi,
-                  int num_threads) {
-    int64_t cols = epi == EPI_GLU ? 16 : GEMM_NR;     /* output columns per panel */
+/* x [M, K] rows `ldx` apart; packed by pack_panels; bias [N] (fp32) or NULL (and NULL
+ * with EPI_GLU); y [M, N] rows `ldy` apart, or [M, I] with EPI_GLU (N = 2I). With bf = 1,
+ * x, the panels and y are bf16. Returns 0, or -1 when the buffer of x tiles cannot be
+ * allocated. */
+static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
+                int64_t n, const float *bias, void *y, int64_t ldy, int epi, int bf,
+                int num_threads) {
+    int64_t esize = bf ? 2 : 4;
+    int64_t cols = epi == EPI_GLU ? GEMM_VW : GEMM_NR;   /* output columns per panel */
     if (epi == EPI_GLU) n /= 2;
     int64_t panels = (n + cols - 1) / cols;
-    int64_t lines = k * GEMM_NR / 16;                            /* 64-byte lines per panel */
+    int64_t lines = k * GEMM_NR * esize / 64;                    /* 64-byte lines per panel */
     int64_t block = (1 << 20) / (4 * k) / GEMM_MR * GEMM_MR;     /* rows of x per ~1 MiB */
     if (block < GEMM_MR) block = GEMM_MR;
-    /* x in tiles [K][rows]: the micro-kernel's row values for one k-step are adjacent */
+    /* x in tiles [K][rows] (fp32): the micro-kernel's row values for one k-step are
+     * adjacent */
     float *xp = aligned_alloc(64, (size_t)((block * k * 4 + 63) / 64 * 64));
     if (!xp) return -1;
 #pragma omp parallel num_threads(num_threads)
@@ -503,20 +605,24 @@ int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float
                 int64_t i = i0 + tile * rows, mr = i1 - i < rows ? i1 - i : rows;
                 float *dst = xp + tile * rows * k;
                 for (int64_t kk = 0; kk < k; kk++)
-                    for (int64_t r = 0; r < mr; r++) dst[kk * mr + r] = x[(i + r) * ldx + kk];
+                    for (int64_t r = 0; r < mr; r++)
+                        dst[kk * mr + r] = bf ? bf2f(((const uint16_t *)x)[(i + r) * ldx + kk])
+                                              : ((const float *)x)[(i + r) * ldx + kk];
             }                                        /* (the loop ends with a barrier) */
             for (int64_t p = p0; p < p1; p++) {
-                const float *panel = packed + p * k * GEMM_NR;
-                const float *next = p + 1 < p1 ? panel + k * GEMM_NR : panel;
-                __mmask16 m0 = lanes(n - p * cols), m1 = lanes(n - p * cols - 16);
+                const char *panel = (const char *)packed + p * k * GEMM_NR * esize;
+                const char *next = p + 1 < p1 ? panel + k * GEMM_NR * esize : panel;
+                int64_t ncols = n - p * cols < cols ? n - p * cols : cols;
+                vmask_t m0 = lanes(ncols), m1 = lanes(ncols - GEMM_VW);
                 if (epi == EPI_GLU) m1 = m0;
                 const float *b = bias ? bias + p * GEMM_NR : NULL;
                 for (int64_t i = i0, tile = 0; i < i1; i += rows, tile++) {
                     int mr = (int)(i1 - i < rows ? i1 - i : rows);
                     int64_t first = tile * share;
                     int64_t nl = lines - first < share ? lines - first : share;
-                    gemm_tile(mr, xp + (i - i0) * k, panel, k, b, m0, m1, y + i * ldy + p * cols,
-                              ldy, next + first * 16, every, per, nl, epi);
+                    char *yt = (char *)y + (i * ldy + p * cols) * esize;
+                    gemm_tile(mr, xp + (i - i0) * k, panel, k, b, m0, m1, ncols, yt, ldy,
+                              next + first * 64, every, per, nl, epi, bf);
                 }
             }
 #pragma omp barrier                           /* xp is refilled for the next row block */
@@ -525,10 +631,31 @@ int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float
     free(xp);
     return 0;
 }
+
+int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
+                  int64_t n, const float *bias, float *y, int64_t ldy, int epi,
+                  int num_threads) {
+    return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 0, num_threads);
+}
+
+/* The same product for a bf16 model on a CPU that has no bf16 GEMM of its own (AVX2):
+ * bf16 weights (half the bytes of fp32 from memory each step), fp32 sums. The bias is
+ * passed widened to fp32 (exact). */
+int linear_packed_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                       const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
+                       int64_t ldy, int epi, int num_threads) {
+    return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 1, num_threads);
+}
 #else
 int linear_packed_available(void) { return 0; }
+int linear_packed_nr(void) { return 0; }
 void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
                         int num_threads) {}
+void pack_linear_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
+                             int num_threads) {}
+int linear_packed_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                       const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
+                       int64_t ldy, int epi, int num_threads) { return -1; }
 int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
                   int64_t n, const float *bias, float *y, int64_t ldy, int epi,
                   int num_threads) { return -1; }

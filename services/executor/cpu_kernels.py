@@ -88,10 +88,16 @@ def _load() -> ctypes.CDLL:
     lib.greedy_logprobs.restype = None
     lib.linear_packed_available.argtypes = []
     lib.linear_packed_available.restype = i32
+    lib.linear_packed_nr.argtypes = []
+    lib.linear_packed_nr.restype = i32
     lib.pack_linear_weight.argtypes = [p, i64, i64, i32, p, i32]
     lib.pack_linear_weight.restype = None
     lib.linear_packed.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32, i32]
     lib.linear_packed.restype = i32
+    lib.pack_linear_weight_bf16.argtypes = lib.pack_linear_weight.argtypes
+    lib.pack_linear_weight_bf16.restype = None
+    lib.linear_packed_bf16.argtypes = lib.linear_packed.argtypes
+    lib.linear_packed_bf16.restype = i32
     return lib
 
 
@@ -164,41 +170,50 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         raise TypeError(f"no CPU kernel stores {qkv.dtype} rows in a {k_cache.dtype} cache")
 
 
-GEMM_NR = 32                       # output columns per packed panel (cpu_kernels.c)
 EPI_STORE, EPI_ADD, EPI_GLU = 0, 1, 2
 
 
 def linear_available() -> bool:
-    """True when the packed fp32 GEMM was built (it needs AVX-512)."""
+    """True when the packed GEMM (fp32, and bf16 weights with fp32 sums) was built (it
+    needs AVX-512, or AVX2 and FMA)."""
     lib = kernels()
     return lib is not None and bool(lib.linear_packed_available())
 
 
+def gemm_nr() -> int:
+    """Output columns per packed panel: 32 with AVX-512, 16 with AVX2 (cpu_kernels.c)."""
+    return int(kernels().linear_packed_nr())
+
+
 def pack_linear(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
-    """An fp32 nn.Linear weight [N, K] in the panel layout of `linear` (1-D, 64-byte aligned
-    by torch's allocator, columns past N zero). glu=True packs a fused [gate | up] weight
-    [2I, K] for `linear(..., glu=True)`."""
+    """An nn.Linear weight [N, K] in the panel layout of `linear` (1-D, 64-byte aligned
+    by torch's allocator, columns past N zero), bf16 for a bf16 weight, else fp32.
+    glu=True packs a fused [gate | up] weight [2I, K] for `linear(..., glu=True)`."""
     n, k = weight.shape
     if glu and n % 2:
         raise ValueError(f"a [gate | up] weight has an even number of rows, not {n}")
-    w = weight.float().contiguous()
-    panels = -(-(n // 2) // 16) if glu else -(-n // GEMM_NR)
-    out = torch.empty(panels * k * GEMM_NR, dtype=torch.float32)
-    kernels().pack_linear_weight(w.data_ptr(), n, k, int(glu), out.data_ptr(),
-                                 torch.get_num_threads())
+    bf16 = weight.dtype == torch.bfloat16
+    w = weight.contiguous() if bf16 else weight.float().contiguous()
+    nr = gemm_nr()
+    panels = -(-(n // 2) // (nr // 2)) if glu else -(-n // nr)
+    out = torch.empty(panels * k * nr, dtype=w.dtype)
+    pack = kernels().pack_linear_weight_bf16 if bf16 else kernels().pack_linear_weight
+    pack(w.data_ptr(), n, k, int(glu), out.data_ptr(), torch.get_num_threads())
     return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, accumulate: bool = False,
            glu: bool = False) -> torch.Tensor:
-    """x [M, K] fp32 @ W^T + bias -> [M, N], W [N, K] packed by `pack_linear`.
+    """x [M, K] @ W^T + bias -> [M, N], W [N, K] packed by `pack_linear`; fp32, or bf16
+    x and W with fp32 sums and a bf16 result (rounded where torch's bf16 ops round).
 
     out: write there (contiguous [M, N]); with accumulate=True, out += x W^T + bias.
     glu: W is a [gate | up] weight packed with glu=True; returns silu(gate) * up [M, N/2]
     (no bias)."""
-    if x.dtype != torch.float32 or packed.dtype != torch.float32:
-        raise TypeError(f"the packed GEMM multiplies fp32, not {x.dtype} x {packed.dtype}")
+    if x.dtype != packed.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"the packed GEMM multiplies fp32 or bf16 rows by a weight of the "
+                        f"same dtype, not {x.dtype} x {packed.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -207,10 +222,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into `out`, which is missing")
     cols = n // 2 if glu else n
-    y = torch.empty(m, cols, dtype=torch.float32) if out is None else out
+    y = torch.empty(m, cols, dtype=x.dtype) if out is None else out
     epi = EPI_GLU if glu else EPI_ADD if accumulate else EPI_STORE
-    if kernels().linear_packed(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
-                               _ptr(bias), y.data_ptr(), cols, epi, torch.get_num_threads()):
+    run = kernels().linear_packed
+    if x.dtype == torch.bfloat16:
+        run = kernels().linear_packed_bf16
+        bias = None if bias is None else bias.float()       # widened: exact
+    if run(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias), y.data_ptr(),
+           cols, epi, torch.get_num_threads()):
         raise MemoryError("no memory for the GEMM's 1 MiB buffer")
     return y
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from services.executor import cpu_kernels
 from services.executor.attention import AttentionMetadata, paged_attention, write_kv
 from services.executor import cpu_gemm
-from services.executor.cpu_gemm import pick_fp32_gemm
+from services.executor.cpu_gemm import bf16_gemm, pick_fp32_gemm
 from services.executor.parallel import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -136,9 +136,9 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
 class Linear:
     """y = x W^T + b; on the CPU through a weight packed once (see `pack_for_cpu`).
 
-    `gemm` names the library of the packed weight: "avx512" (cpu_kernels.c), "mkl" or
+    `gemm` names the library of the packed weight: "engine" (cpu_kernels.c), "mkl" or
     "onednn" (fp32 and bf16); None while the weight is not packed. `glu`: a [gate | up]
-    weight packed for `swiglu` only (the AVX-512 GEMM applies silu(gate) * up itself).
+    weight packed for `swiglu` only (the engine's GEMM applies silu(gate) * up itself).
     `min_rows`: fewer rows run padded to this many, so that a row gets the bits it gets in
     any batch (`cpu_gemm.min_rows`)."""
 
@@ -157,7 +157,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if self.gemm == "avx512":
+        if self.gemm == "engine":
             return cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         if self.gemm == "mkl":
             return cpu_gemm.mkl_linear(x, self.packed, self.weight, self.bias, self.min_rows)
@@ -168,7 +168,7 @@ class Linear:
         return cpu_kernels.linear(x, self.packed, self.weight.shape[0], glu=True)
 
     def add_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += x W^T + b in the GEMM's epilogue (needs gemm == "avx512")."""
+        """out += x W^T + b in the GEMM's epilogue (needs gemm == "engine")."""
         cpu_kernels.linear(x, self.packed, self.weight.shape[0], self.bias, out=out,
                            accumulate=True)
 
@@ -248,9 +248,9 @@ class LlamaModel:
 
     def _project(self, lin: Linear, x: torch.Tensor, residual: torch.Tensor):
         """The output projection x W^T, summed over the ranks, for the residual stream.
-        Where the GEMM can add it into `residual` itself (AVX-512, one rank), it does, and
+        Where the GEMM can add it into `residual` itself (the engine's GEMM, one rank), it does, and
         this returns None: no [T, H] temporary and one pass less over the rows."""
-        if lin.gemm == "avx512" and self.group is None:
+        if lin.gemm == "engine" and self.group is None:
             lin.add_into(x, residual)
             return None
         return self._reduce(lin(x))
@@ -303,8 +303,11 @@ class LlamaModel:
 
     def pack_for_cpu(self) -> bool:
         """Pack every projection once into the GEMM library's own layout, instead of letting
-        it reorder the weight on every call. bf16 goes through oneDNN. fp32 goes through
-        whichever of the engine's own AVX-512 GEMM, MKL's packed sgemm and oneDNN is usable
+        it reorder the weight on every call. bf16 goes through oneDNN where the CPU
+        multiplies bf16 itself (AMX, AVX-512 bf16), else through the engine's own GEMM (bf16
+        weights widened to fp32 in registers: torch's plain bf16 GEMM on an AVX2 CPU runs at
+        a fifth of the fp32 rate), else oneDNN where it packs bf16. fp32 goes through
+        whichever of the engine's own GEMM, MKL's packed sgemm and oneDNN is usable
         and fastest on this CPU for this model's weights (cpu_gemm.py; docs/executor.md
         gives their speeds by row count).
 
@@ -320,13 +323,17 @@ class LlamaModel:
             if gemm is None:
                 return False
             pack = lambda w: cpu_gemm.pack_weight(gemm, w)  # noqa: E731
-        elif self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-            gemm, pack = "onednn", torch.ops.mkldnn._reorder_linear_weight
+        elif self.dtype == torch.bfloat16:
+            gemm = bf16_gemm()
+            if gemm is None:
+                return False
+            pack = (cpu_kernels.pack_linear if gemm == "engine"
+                    else torch.ops.mkldnn._reorder_linear_weight)
         else:
             return False
-        # The AVX-512 GEMM applies silu(gate) * up to the [gate | up] product itself.
+        # The engine's GEMM applies silu(gate) * up to the [gate | up] product itself.
         glu = {id(layer.gate_up) for layer in self.layers
-               if gemm == "avx512" and layer.gate_up.bias is None}
+               if gemm == "engine" and layer.gate_up.bias is None}
         try:
             packed = [cpu_kernels.pack_linear(lin.weight, glu=True) if id(lin) in glu
                       else pack(lin.weight) for lin in self.linears()]

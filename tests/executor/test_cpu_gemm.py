@@ -1,6 +1,6 @@
 """The packed fp32 GEMM of cpu_kernels.c against F.linear, on the shapes its tiling has to
-get right: N not a multiple of the 32-column panel, row counts around the 14-row tile and
-past the ~1 MiB row block, strided rows of x, bias or none, one thread or two."""
+get right: N not a multiple of the column panel (32 columns with AVX-512, 16 with AVX2),
+row counts around the row tile (14 rows, 6) and past the ~1 MiB row block, strided rows of x, bias or none, one thread or two."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from services.executor import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.linear_available(),
-                                reason="the packed fp32 GEMM needs a C compiler and AVX-512")
+                                reason="the packed fp32 GEMM needs a C compiler and AVX-512 or AVX2")
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 3), (33, 80), (96, 576), (100, 1536),
@@ -21,9 +21,10 @@ def test_linear_matches_f_linear_everywhere_it_writes(n, k, bias):
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     packed = cpu_kernels.pack_linear(w)
-    assert packed.numel() == -(-n // 32) * 32 * k
-    # 300 rows at K=1536 span two row blocks; 13/14/15 straddle one tile
-    for m in (1, 5, 13, 14, 15, 64, 300):
+    nr = cpu_kernels.gemm_nr()
+    assert nr in (16, 32) and packed.numel() == -(-n // nr) * nr * k
+    # 300 rows at K=1536 span two row blocks; 5/6/7 and 13/14/15 straddle a tile
+    for m in (1, 5, 6, 7, 13, 14, 15, 64, 300):
         x = torch.randn(m, k + 7, generator=g)[:, :k]     # rows k + 7 floats apart
         out = torch.full((m, n), float("nan"))            # a column never written stays NaN
         cpu_kernels.linear(x, packed, n, b, out=out)
@@ -76,6 +77,45 @@ def test_accumulate_adds_the_product_into_out():
     assert (out - (residual + F.linear(x, w, b))).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("n,k", [(17, 3), (100, 1536), (3072, 576)])
+def test_bf16_weights_give_the_fp32_product_rounded_once(n, k):
+    """bf16 x and W, fp32 sums, one rounding to bf16 at the end: within one bf16 step of the
+    exact product, every column written (a poisoned output shows any other), and each row
+    gets the same bits alone as in any batch."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_kernels.pack_linear(w)
+    assert packed.dtype == torch.bfloat16
+    for m in (1, 5, 6, 7, 14, 64, 300):
+        x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        cpu_kernels.linear(x, packed, n, b, out=out)
+        exact = F.linear(x.double(), w.double(), b.double())
+        assert torch.isfinite(out.float()).all()
+        # fp32 sums, then one rounding: at most one bf16 step (2^-8 relative) off
+        err = (out.double() - exact).abs()
+        assert (err <= exact.abs() * 2 ** -8 + 1e-5 * k ** 0.5).all(), (m, n, k)
+        for r in (1, 2, 5, 13):
+            if r <= m:
+                assert torch.equal(cpu_kernels.linear(x[:r], packed, n, b), out[:r])
+
+
+def test_bf16_epilogues_round_where_torch_rounds():
+    """accumulate: residual + the rounded product, rounded (F.linear then add_ in bf16);
+    glu: silu and the product over the rounded gate and up halves, as torch's bf16 ops."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(2 * 40, 80, generator=g) / 9).bfloat16()
+    x = torch.randn(29, 80, generator=g).bfloat16()
+    product = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 80)
+    residual = torch.randn(29, 80, generator=g).bfloat16()
+    out = residual.clone()
+    cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 80, out=out, accumulate=True)
+    assert torch.equal(out, residual + product)
+    glu = cpu_kernels.linear(x, cpu_kernels.pack_linear(w, glu=True), 80, glu=True)
+    assert torch.equal(glu, F.silu(product[:, :40]) * product[:, 40:])
+
+
 def test_bad_arguments_are_refused():
     packed = cpu_kernels.pack_linear(torch.randn(8, 4), glu=True)
     with pytest.raises(ValueError, match="no bias"):
@@ -100,9 +140,9 @@ def test_a_gemm_that_computes_wrong_products_is_never_picked(monkeypatch, caplog
         return packed, lambda x: run(x) + 1.0
 
     monkeypatch.setattr(cpu_gemm, "packed_gemm", off_by_one)
-    assert cpu_gemm.gemm_available("avx512") and not cpu_gemm.gemm_correct("avx512")
+    assert cpu_gemm.gemm_available("engine") and not cpu_gemm.gemm_correct("engine")
     assert cpu_gemm.usable_gemms() == []
-    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "avx512")
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "engine")
     assert cpu_gemm.pick_fp32_gemm(torch.randn(64, 32)) is None
     assert "gives wrong products" in caplog.text
 
@@ -120,11 +160,11 @@ def test_a_gemm_whose_rows_depend_on_the_row_count_is_not_correct(monkeypatch):
         return packed, lambda x: run(x) * (1 + 1e-7) if x.shape[0] == 1 else run(x)
 
     monkeypatch.setattr(cpu_gemm, "packed_gemm", gemv_rounds_otherwise)
-    assert not cpu_gemm.gemm_correct("avx512")
+    assert not cpu_gemm.gemm_correct("engine")
 
 
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536)], ids=["up", "down"])
-@pytest.mark.parametrize("gemm", ["avx512", "mkl", "onednn"])
+@pytest.mark.parametrize("gemm", ["engine", "mkl", "onednn"])
 def test_every_packed_gemm_gives_a_row_the_same_bits_alone_and_in_a_batch(gemm, shape):
     """Through the executor's own Linear, on SmolLM2's up and down projections (where MKL's
     small-row kernels, up to 16 rows over the down projection's 1,536-long reduction on an
