@@ -200,6 +200,23 @@ static inline uint16_t f2bf(float f) {              /* round to nearest even, as
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* f rounded to the nearest bf16 (as f2bf), kept as an fp32 value; and the bf16 bits of an
+ * fp32 value that is one already. Branch-free, so that loops of them vectorise. */
+static inline float rbf(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t r = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    uint32_t nan = v.u | 0x00400000u;
+    v.u = (int32_t)(v.u & 0x7fffffffu) > 0x7f800000 ? nan & 0xffff0000u : r;
+    return v.f;
+}
+
+static inline uint16_t bf_bits(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    return (uint16_t)(v.u >> 16);
+}
+
 static inline void store_row(void *cache, int64_t off, const float *src, int64_t n,
                              int bf16) {
     if (!bf16) {
@@ -507,7 +524,7 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
             acc[r][1] = V_FMA(a, w1, acc[r][1]);
         }
     }
-    if (bf) {                  /* rounded to bf16 one value at a time (few next to the FMAs) */
+    if (bf) {         /* plain loops over the tile's values, which gcc vectorises */
         float t[GEMM_MR * GEMM_NR];
         for (int r = 0; r < mr; r++) {
             V_STOREU(t + r * GEMM_NR, acc[r][0]);
@@ -515,17 +532,17 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
         }
         for (int r = 0; r < mr; r++) {
             uint16_t *yr = (uint16_t *)y + r * ldy;
-            const float *tr = t + r * GEMM_NR;
-            for (int64_t j = 0; j < ncols; j++) {
-                if (epi == EPI_GLU) {
-                    float g = bf2f(f2bf(tr[j])), u = bf2f(f2bf(tr[GEMM_VW + j]));
-                    yr[j] = f2bf(bf2f(f2bf(g / (1.f + expf(fminf(-g, 80.f))))) * u);
-                } else if (epi == EPI_ADD) {
-                    yr[j] = f2bf(bf2f(yr[j]) + bf2f(f2bf(tr[j])));
-                } else {
-                    yr[j] = f2bf(tr[j]);
+            float *tr = t + r * GEMM_NR;
+            if (epi == EPI_GLU)
+                for (int64_t j = 0; j < ncols; j++) {
+                    float g = rbf(tr[j]), u = rbf(tr[GEMM_VW + j]);
+                    tr[j] = rbf(rbf(g / (1.f + expf(fminf(-g, 80.f)))) * u);
                 }
-            }
+            else if (epi == EPI_ADD)
+                for (int64_t j = 0; j < ncols; j++) tr[j] = rbf(bf2f(yr[j]) + rbf(tr[j]));
+            else
+                for (int64_t j = 0; j < ncols; j++) tr[j] = rbf(tr[j]);
+            for (int64_t j = 0; j < ncols; j++) yr[j] = bf_bits(tr[j]);
         }
         return;
     }
