@@ -11,6 +11,10 @@ not stay in cache from one step to the next). Each library runs the same inputs 
 own packed copies; the libraries take turns, in alternating order, and each figure is
 the best of --reps rounds, since the CPUs may be shared with other work. The figure is
 GFLOP/s over all four projections; `vs_onednn` is the engine's kernel divided by oneDNN.
+
+With --bf16 the GEMMs of a bf16 model run beside them, bf16 rows by bf16 weights:
+`engine_bf16` (the engine's kernel over bf16 weights, fp32 sums) and `onednn_bf16` where
+torch packs bf16 for oneDNN on this CPU.
 """
 from __future__ import annotations
 
@@ -24,15 +28,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.cpu_gemm import FP32_GEMMS, packed_gemm, usable_gemms  # noqa: E402
+from services.executor import cpu_kernels  # noqa: E402
+from services.executor.cpu_gemm import (bf16_packing, onednn_linear,  # noqa: E402
+                                        packed_gemm, usable_gemms)
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
-def libraries(weights: list[torch.Tensor]) -> dict[str, list]:
+def libraries(weights: list[torch.Tensor], bf16: bool = False) -> dict[str, list]:
     """For each packed fp32 GEMM usable here (available and correct, as the runner checks
-    it): one `run(x)` per weight, packed as the runner packs it."""
-    return {gemm: [packed_gemm(gemm, w)[1] for w in weights] for gemm in usable_gemms()}
+    it): one `run(x)` per weight, packed as the runner packs it; with bf16, also the bf16
+    GEMMs usable here (their names end in _bf16 and take bf16 rows)."""
+    libs = {gemm: [packed_gemm(gemm, w)[1] for w in weights] for gemm in usable_gemms()}
+    if bf16 and cpu_kernels.linear_available():
+        libs["engine_bf16"] = [
+            (lambda x, p=cpu_kernels.pack_linear(w.bfloat16()), n=w.shape[0]:
+             cpu_kernels.linear(x, p, n)) for w in weights]
+    if bf16 and bf16_packing():
+        libs["onednn_bf16"] = [
+            (lambda x, p=torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None):
+             onednn_linear(x, p, None, False)) for w in weights]
+    return libs
 
 
 def main() -> None:
@@ -41,6 +57,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="distinct copies of each weight")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--bf16", action="store_true", help="the bf16 GEMMs as well")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write a PNG of GFLOP/s by rows here")
     args = ap.parse_args()
@@ -48,21 +65,23 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     torch.manual_seed(0)
-    runs = {name: libraries([torch.randn(n, k) for _ in range(args.layers)])
+    runs = {name: libraries([torch.randn(n, k) for _ in range(args.layers)], args.bf16)
             for name, (n, k) in SHAPES.items()}
     libs = list(next(iter(runs.values())))
     res: dict = {"threads": torch.get_num_threads(), "layers": args.layers, "gflops": {}}
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {name: torch.randn(m, k) for name, (_, k) in SHAPES.items()}
+            x16 = {name: x.bfloat16() for name, x in xs.items()}
             flops = sum(2 * m * n * k * args.layers for n, k in SHAPES.values())
             best = dict.fromkeys(libs, float("inf"))
             for rep in range(args.reps):
                 for lib in (libs if rep % 2 == 0 else libs[::-1]):
                     t0 = time.perf_counter()
+                    inputs = x16 if lib.endswith("_bf16") else xs
                     for name in SHAPES:
                         for run in runs[name][lib]:
-                            run(xs[name])
+                            run(inputs[name])
                     best[lib] = min(best[lib], time.perf_counter() - t0)
             res["gflops"][m] = {lib: flops / t / 1e9 for lib, t in best.items()}
             line = "  ".join(f"{lib} {g:6.1f}" for lib, g in res["gflops"][m].items())
