@@ -26,9 +26,10 @@ serve: install
 	$(VENV)/bin/pagedserve serve
 
 # Two workers, whole files to each (a file's stack fixtures stay in one process): most
-# tests wait on the processes they start, so two run side by side on two cores.
+# tests wait on the processes they start, so two run side by side on two cores. The 15
+# slowest tests are listed at the end: CI's budget is about 15 minutes on 2 cores.
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile tests kernels/tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests kernels/tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
