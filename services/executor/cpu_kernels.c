@@ -29,6 +29,45 @@
 #define MAX_ROW 16384    /* floats: Hq * D of one token (and Hkv * D <= Hq * D) */
 #define MAX_HEADS 256
 
+/* Vectors of VW floats: AVX-512 (VW = 16), or AVX2 + FMA (VW = 8); the GEMM and the
+ * decode attention are written once over these. Without either, plain C only. */
+#if defined(__AVX512F__)
+#define GEMM_VW 16
+#define GEMM_MR 14
+typedef __m512 vec_t;
+typedef __mmask16 vmask_t;
+#define V_LOAD(p) _mm512_load_ps(p)
+#define V_LOADU(p) _mm512_loadu_ps(p)
+#define V_STOREU(p, v) _mm512_storeu_ps(p, v)
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_MLOAD(m, p) _mm512_maskz_loadu_ps(m, p)
+#define V_MSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+static inline vmask_t lanes(int64_t n) {              /* the first n of 16 lanes */
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMM_VW 8
+#define GEMM_MR 6
+typedef __m256 vec_t;
+typedef __m256i vmask_t;
+#define V_LOAD(p) _mm256_load_ps(p)
+#define V_LOADU(p) _mm256_loadu_ps(p)
+#define V_STOREU(p, v) _mm256_storeu_ps(p, v)
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_ZERO() _mm256_setzero_ps()
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_MLOAD(m, p) _mm256_maskload_ps(p, m)      /* masked-off lanes are not read */
+#define V_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+static inline vmask_t lanes(int64_t n) {              /* the first n of 8 lanes */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 /* ------------------------------------------------------------ paged decode attention
  *
  * Layouts (kernels/reference.py):
@@ -127,9 +166,149 @@ attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int3
         for (int64_t i = 0; i < d; i++) out[j * d + i] = acc[j * d + i] * inv[j];
 }
 
+#ifdef GEMM_VW
+/* The same attention in vectors, for head sizes that are a multiple of VW. Per block and
+ * per KV head, each of its query heads in turn:
+ *   scores: VW tokens at a time, one accumulator per token (d / VW FMAs each), then one
+ *           tree of shuffles adds each accumulator's lanes into lane t of one vector,
+ *           instead of one horizontal sum per token;
+ *   p . V:  the head's d / VW accumulators stay in registers over the block's tokens,
+ *           instead of a load and a store of the accumulator per token.
+ * The block's rows are read from L1 once per query head; memory sees the same reads in
+ * the same order as attend_impl (whole rows, block by block), and the next block of the
+ * table is asked for while the current one is worked on, spread over its query heads. */
+static inline __attribute__((always_inline)) vec_t load_kv(const void *p, int64_t off, int bf) {
+    if (!bf) return V_LOADU((const float *)p + off);
+    const uint16_t *src = (const uint16_t *)p + off;
+#if GEMM_VW == 16
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+#else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+#endif
+}
+
+/* a[0..VW) -> one vector whose lane t is the sum of a[t]'s lanes. */
+static inline __attribute__((always_inline)) vec_t sum_lanes(const vec_t *a) {
+#if GEMM_VW == 16
+    __m512 r[8], s[4], u[2];
+    for (int i = 0; i < 8; i++)          /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)          /* per 128-bit lane: tokens 4i .. 4i+3 */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)          /* 128-bit lanes 0+2, 1+3 of two such vectors */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                         _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+#else
+    __m256 r[4], s[2];
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        s[i] = _mm256_add_ps(_mm256_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20),
+                         _mm256_permute2f128_ps(s[0], s[1], 0x31));
+#endif
+}
+
+#define ATT_VC 8         /* accumulators of the p . V loop: d is taken 8 vectors at a time */
+
+static inline __attribute__((always_inline)) void
+attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const int32_t *table,
+                int64_t ctx, int64_t bs, int64_t hq, int64_t hkv, int64_t d, float *sc,
+                int64_t max_len, float *out) {
+    const int64_t VW = GEMM_VW;
+    int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
+    int64_t nblk = (ctx + bs - 1) / bs, esize = bf16 ? 2 : 4;
+    for (int pass = 0; pass < 2; pass++) {       /* 0: scores = q . k;  1: out += p . v */
+        const void *cache = pass ? vc : kc;
+        if (pass) memset(out, 0, sizeof(float) * (size_t)(hq * d));
+        for (int64_t blk = 0, t0 = 0; blk < nblk; blk++, t0 += bs) {
+            int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
+            const char *b0 = (const char *)cache + (int64_t)table[blk] * bs * row_bytes;
+            /* the next block (V's first while K's last is read): lines spread over the
+             * hq head passes below */
+            const char *next = blk + 1 < nblk
+                ? (const char *)cache + (int64_t)table[blk + 1] * bs * row_bytes
+                : !pass ? (const char *)vc + (int64_t)table[0] * bs * row_bytes : 0;
+            int64_t nn = blk + 1 < nblk ? (ctx - t0 - bs < bs ? ctx - t0 - bs : bs)
+                                        : (ctx < bs ? ctx : bs);
+            int64_t lines = next ? (nn * row_bytes + 63) / 64 : 0, per = (lines + hq - 1) / hq;
+            for (int64_t h = 0, j = 0; h < hkv; h++)
+                for (int64_t jj = 0; jj < g; jj++, j++) {
+                    for (int64_t l = j * per; l < (j + 1) * per && l < lines; l++)
+                        __builtin_prefetch(next + l * 64, 0, 3);
+                    const char *hb = b0 + h * d * esize;         /* head h of row 0 */
+                    if (!pass) {
+                        const float *qj = q + j * d;
+                        for (int64_t o = 0; o < n; o += VW) {
+                            vec_t acc[GEMM_VW];
+                            const char *rows[GEMM_VW];
+                            for (int t = 0; t < VW; t++) {       /* past n: row o again */
+                                rows[t] = hb + (o + t < n ? o + t : o) * row_bytes;
+                                acc[t] = V_ZERO();
+                            }
+                            for (int64_t c = 0; c < d; c += VW) {
+                                vec_t qv = V_LOADU(qj + c);
+                                for (int t = 0; t < VW; t++)
+                                    acc[t] = V_FMA(qv, load_kv(rows[t], c, bf16), acc[t]);
+                            }
+                            V_MSTORE(sc + j * max_len + t0 + o, lanes(n - o), sum_lanes(acc));
+                        }
+                    } else {
+                        const float *p = sc + j * max_len + t0;
+                        float *oj = out + j * d;
+                        for (int64_t c0 = 0; c0 < d; c0 += ATT_VC * VW) {
+                            int64_t nc = (d - c0) / VW < ATT_VC ? (d - c0) / VW : ATT_VC;
+                            vec_t acc[ATT_VC];
+                            for (int c = 0; c < ATT_VC; c++)
+                                acc[c] = c < nc ? V_LOADU(oj + c0 + c * VW) : V_ZERO();
+                            for (int64_t o = 0; o < n; o++) {
+                                vec_t pv = V_SET1(p[o]);
+                                const char *row = hb + o * row_bytes;
+                                for (int c = 0; c < ATT_VC; c++)
+                                    if (c < nc)
+                                        acc[c] = V_FMA(pv, load_kv(row, c0 + c * VW, bf16),
+                                                       acc[c]);
+                            }
+                            for (int c = 0; c < ATT_VC; c++)
+                                if (c < nc) V_STOREU(oj + c0 + c * VW, acc[c]);
+                        }
+                    }
+                }
+        }
+        if (!pass)
+            for (int64_t j = 0; j < hq; j++) {                       /* softmax */
+                float *s = sc + j * max_len;
+                float m = s[0];
+                for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
+                float sum = 0.f;
+                for (int64_t t = 0; t < ctx; t++) {
+                    s[t] = expf(s[t] - m);
+                    sum += s[t];
+                }
+                for (int64_t t = 0; t < ctx; t++) s[t] *= 1.f / sum;
+            }
+    }
+}
+#endif
+
 static void attend(const float *q, const void *kc, const void *vc, int bf16,
                    const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv,
                    int64_t d, float *sc, int64_t max_len, float *out) {
+#ifdef GEMM_VW
+#define ATTEND_VEC(D) attend_vec_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, out)
+    if (d == 64) { ATTEND_VEC(64); return; }
+    if (d == 128) { ATTEND_VEC(128); return; }
+    if (d % GEMM_VW == 0) { ATTEND_VEC(d); return; }
+#undef ATTEND_VEC
+#endif
 #define ATTEND(D) attend_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, out)
     if (d == 64) ATTEND(64);
     else if (d == 128) ATTEND(128);
@@ -398,42 +577,6 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t v, int64_t ld, i
  * rows, 1.2x at 256, level at 512, 0.97x at 2048 rows (docs/executor.md has the AVX2
  * figures).
  */
-#if defined(__AVX512F__)
-#define GEMM_VW 16
-#define GEMM_MR 14
-typedef __m512 vec_t;
-typedef __mmask16 vmask_t;
-#define V_LOAD(p) _mm512_load_ps(p)
-#define V_LOADU(p) _mm512_loadu_ps(p)
-#define V_STOREU(p, v) _mm512_storeu_ps(p, v)
-#define V_SET1(x) _mm512_set1_ps(x)
-#define V_ZERO() _mm512_setzero_ps()
-#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define V_ADD(a, b) _mm512_add_ps(a, b)
-#define V_MLOAD(m, p) _mm512_maskz_loadu_ps(m, p)
-#define V_MSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
-static inline vmask_t lanes(int64_t n) {              /* the first n of 16 lanes */
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define GEMM_VW 8
-#define GEMM_MR 6
-typedef __m256 vec_t;
-typedef __m256i vmask_t;
-#define V_LOAD(p) _mm256_load_ps(p)
-#define V_LOADU(p) _mm256_loadu_ps(p)
-#define V_STOREU(p, v) _mm256_storeu_ps(p, v)
-#define V_SET1(x) _mm256_set1_ps(x)
-#define V_ZERO() _mm256_setzero_ps()
-#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define V_ADD(a, b) _mm256_add_ps(a, b)
-#define V_MLOAD(m, p) _mm256_maskload_ps(p, m)      /* masked-off lanes are not read */
-#define V_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
-static inline vmask_t lanes(int64_t n) {              /* the first n of 8 lanes */
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)),
-                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-#endif
 
 #ifdef GEMM_VW
 #define GEMM_NR (2 * GEMM_VW)
