@@ -13,8 +13,9 @@ the best of --reps rounds, since the CPUs may be shared with other work. The fig
 GFLOP/s over all four projections; `vs_onednn` is the engine's kernel divided by oneDNN.
 
 With --bf16 the GEMMs of a bf16 model run beside them, bf16 rows by bf16 weights:
-`engine_bf16` (the engine's kernel over bf16 weights, fp32 sums) and `onednn_bf16` where
-torch packs bf16 for oneDNN on this CPU.
+`engine_bf16` (the engine's kernel over bf16 weights widened to fp32, fp32 sums),
+`engine_dp_bf16` where the CPU has AVX-512 bf16 (the engine's kernel with the CPU's bf16
+dot products, fp32 sums) and `onednn_bf16` where torch packs bf16 for oneDNN on this CPU.
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def libraries(weights: list[torch.Tensor], bf16: bool = False) -> dict[str, list
     it): one `run(x)` per weight, packed as the runner packs it; with bf16, also the bf16
     GEMMs usable here (their names end in _bf16 and take bf16 rows)."""
     libs = {gemm: [packed_gemm(gemm, w)[1] for w in weights] for gemm in usable_gemms()}
-    if bf16 and cpu_kernels.linear_available():
-        libs["engine_bf16"] = [
-            (lambda x, p=cpu_kernels.pack_linear(w.bfloat16()), n=w.shape[0]:
-             cpu_kernels.linear(x, p, n)) for w in weights]
+    forms = {"engine_bf16": False, "engine_dp_bf16": True}
+    for name, dp in forms.items():
+        if bf16 and cpu_kernels.linear_available() and (not dp or cpu_kernels.dp_available()):
+            libs[name] = [
+                (lambda x, p=cpu_kernels.pack_linear(w.bfloat16(), dp=dp), n=w.shape[0]:
+                 cpu_kernels.linear(x, p, n)) for w in weights]
     if bf16 and bf16_packing():
         libs["onednn_bf16"] = [
             (lambda x, p=torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None):

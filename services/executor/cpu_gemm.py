@@ -250,18 +250,33 @@ def time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
     return total
 
 
-def bf16_gemm() -> str | None:
-    """The packed GEMM of a bf16 model: "onednn" where the CPU multiplies bf16 itself (AMX,
-    AVX-512 bf16) and torch packs bf16 for oneDNN; else "engine", the engine's own GEMM
-    over bf16 weights widened to fp32 in registers (AVX2 or AVX-512 without bf16: on a Zen 3
-    torch's plain bf16 GEMM gave 28.5 output tok/s against fp32's 164.7,
-    loadtest/bench_llamacpp.py); else "onednn" where it packs bf16 anyway; else None
-    (F.linear). PAGEDSERVE_CPU_GEMM=engine|onednn forces one where it is usable."""
+def bf16_gemm(sample: torch.Tensor | None = None) -> str | None:
+    """The packed GEMM of a bf16 model: "onednn" or "engine".
+
+    Where the CPU multiplies bf16 itself (AMX, AVX-512 bf16) and torch packs bf16 for
+    oneDNN: oneDNN, or, where the engine's GEMM also runs the CPU's bf16 dot products
+    (AVX-512 bf16: AMD Zen 4 / Zen 5), whichever of the two is faster on `sample` (the
+    largest projection of the first layer), timed as `pick_fp32_gemm` times fp32 GEMMs.
+    Else "engine", the engine's own GEMM over bf16 weights widened to fp32 in registers
+    (AVX2 or AVX-512 without bf16: on a Zen 3 torch's plain bf16 GEMM gave 28.5 output
+    tok/s against fp32's 164.7, loadtest/bench_llamacpp.py); else "onednn" where it packs
+    bf16 anyway; else None (F.linear). PAGEDSERVE_CPU_GEMM=engine|onednn forces one where
+    it is usable."""
     native = cpu_bf16()[1] is not None and bf16_packing()
-    usable = [g for g, ok in (("onednn", native), ("engine", cpu_kernels.linear_available()),
+    engine = cpu_kernels.linear_available()
+    usable = [g for g, ok in (("onednn", native), ("engine", engine),
                               ("onednn", bf16_packing())) if ok]
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
     gemm = forced if forced in usable else usable[0] if usable else None
+    if forced not in usable and native and engine and cpu_kernels.dp_available() \
+            and sample is not None:
+        evict = torch.ones(EVICT_BYTES // 4)
+        cost = {g: time_packed_gemm(g, sample, evict) for g in ("engine", "onednn")}
+        del evict
+        gemm = min(cost, key=cost.get)
+        log.info("bf16 GEMM: %s (per row at 64 + at 512 rows: %s)", gemm,
+                 ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
+        return gemm
     log.info("bf16 GEMM: %s", gemm or "the plain GEMM")
     return gemm
 

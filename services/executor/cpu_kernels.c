@@ -13,6 +13,8 @@
  *   pack_linear_weight,      y = x W^T + b in fp32 over a weight packed once into column
  *   linear_packed            panels (AVX-512, or AVX2 + FMA; see below); optionally
  *                            y += x W^T + b, or silu(gate) * up of a [gate | up] weight
+ *   ..._bf16, ..._dp         the same for a bf16 model: bf16 weights widened to fp32, or
+ *                            (AVX-512 bf16) k-pairs multiplied by bf16 dot products
  *
  * Why C: decode attention on a CPU is bound by memory traffic. The torch path gathers
  * every sequence's blocks into a padded copy and reads that copy again: three times the
@@ -580,6 +582,9 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t v, int64_t ld, i
 
 #ifdef GEMM_VW
 #define GEMM_NR (2 * GEMM_VW)
+#if GEMM_VW == 16 && defined(__AVX512BF16__)
+#define GEMM_DP 1        /* bf16 dot products of pairs (vdpbf16ps): linear_packed_dp */
+#endif
 int linear_packed_available(void) { return 1; }
 int linear_packed_nr(void) { return GEMM_NR; }
 
@@ -588,20 +593,21 @@ int linear_packed_nr(void) { return GEMM_NR; }
  * [2I, K] (N = 2I) and each panel holds VW gate columns, then the VW up columns of the
  * same outputs, so that one tile ends with both halves of silu(gate) * up in registers. */
 static void pack_panels(const char *w, int64_t n, int64_t k, int glu, char *out, int esize,
-                        int num_threads) {
+                        int pairs, int num_threads) {
     int64_t half = n / 2, panels = glu ? (half + GEMM_VW - 1) / GEMM_VW
                                        : (n + GEMM_NR - 1) / GEMM_NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++)
-        for (int64_t kk = 0; kk < k; kk++)
+        for (int64_t kk = 0; kk < (pairs ? (k + 1) / 2 * 2 : k); kk++)
             for (int64_t j = 0; j < GEMM_NR; j++) {
-                int64_t col = p * GEMM_NR + j, ok = col < n;
+                int64_t col = p * GEMM_NR + j, ok = col < n && kk < k;
                 if (glu) {
                     col = p * GEMM_VW + j % GEMM_VW;
-                    ok = col < half;
+                    ok = col < half && kk < k;
                     col += j < GEMM_VW ? 0 : half;
                 }
-                char *dst = out + ((p * k + kk) * GEMM_NR + j) * esize;
+                char *dst = out + (pairs ? ((p * ((k + 1) / 2) + kk / 2) * GEMM_NR + j) * 2 + kk % 2
+                                         : (p * k + kk) * GEMM_NR + j) * esize;
                 if (ok) memcpy(dst, w + (col * k + kk) * esize, (size_t)esize);
                 else memset(dst, 0, (size_t)esize);
             }
@@ -609,13 +615,27 @@ static void pack_panels(const char *w, int64_t n, int64_t k, int glu, char *out,
 
 void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
                         int num_threads) {
-    pack_panels((const char *)w, n, k, glu, (char *)out, 4, num_threads);
+    pack_panels((const char *)w, n, k, glu, (char *)out, 4, 0, num_threads);
 }
 
 void pack_linear_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
                              int num_threads) {
-    pack_panels((const char *)w, n, k, glu, (char *)out, 2, num_threads);
+    pack_panels((const char *)w, n, k, glu, (char *)out, 2, 0, num_threads);
 }
+
+#ifdef GEMM_DP
+int linear_packed_dp_available(void) { return 1; }
+/* bf16 w [N, K] -> panels [ceil(K/2)][NR][2]: the two weights of a k-pair side by side, as
+ * vdpbf16ps multiplies them with a row's two values (K odd: a zero after the last). */
+void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
+                           int num_threads) {
+    pack_panels((const char *)w, n, k, glu, (char *)out, 2, 1, num_threads);
+}
+#else
+int linear_packed_dp_available(void) { return 0; }
+void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
+                           int num_threads) {}
+#endif
 
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
 
@@ -653,6 +673,26 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
         acc[r][0] = b0;
         acc[r][1] = b1;
     }
+#ifdef GEMM_DP
+    if (bf == 2) {     /* k = k-pairs; xt holds each row's pair of bf16 values as 32 bits */
+        const int32_t *x2 = (const int32_t *)xt;
+        const uint16_t *wp = (const uint16_t *)panel;
+        for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
+            __m512bh w0 = (__m512bh)_mm512_load_si512(wp + kk * 2 * GEMM_NR);
+            __m512bh w1 = (__m512bh)_mm512_load_si512(wp + kk * 2 * GEMM_NR + 2 * GEMM_VW);
+            if (--wait <= 0) {
+                wait = every;
+                for (int64_t e = line + per; line < e && line < nlines; line++)
+                    _mm_prefetch(pf + line * 64, _MM_HINT_T1);
+            }
+            for (int r = 0; r < mr; r++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32(x2[kk * mr + r]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+            }
+        }
+    } else
+#endif
     for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
         vec_t w0 = load_w(panel, kk * GEMM_NR, bf);
         vec_t w1 = load_w(panel, kk * GEMM_NR + GEMM_VW, bf);
@@ -716,8 +756,14 @@ static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
                       const float *bias, vmask_t m0, vmask_t m1, int64_t ncols, void *y,
                       int64_t ldy, const char *pf, int64_t every, int64_t per, int64_t nlines,
                       int epi, int bf) {
+#ifdef GEMM_DP
+#define TILE_DP(R) if (bf == 2) gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, \
+                                               pf, every, per, nlines, epi, 2); else
+#else
+#define TILE_DP(R)
+#endif
 #define TILE(R) case R: \
-    if (bf) gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
+    TILE_DP(R) if (bf) gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
                            nlines, epi, 1); \
     else gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
                         nlines, epi, 0); \
@@ -729,6 +775,7 @@ static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
     TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) TILE(1)
     }
 #undef TILE
+#undef TILE_DP
 }
 
 /* x [M, K] rows `ldx` apart; packed by pack_panels; bias [N] (fp32) or NULL (and NULL
@@ -739,10 +786,12 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
                 int64_t n, const float *bias, void *y, int64_t ldy, int epi, int bf,
                 int num_threads) {
     int64_t esize = bf ? 2 : 4;
+    int64_t ks = bf == 2 ? (k + 1) / 2 : k;        /* k-steps of the tile: pairs with dp */
     int64_t cols = epi == EPI_GLU ? GEMM_VW : GEMM_NR;   /* output columns per panel */
     if (epi == EPI_GLU) n /= 2;
     int64_t panels = (n + cols - 1) / cols;
-    int64_t lines = k * GEMM_NR * esize / 64;                    /* 64-byte lines per panel */
+    int64_t pstride = ks * GEMM_NR * (bf == 2 ? 4 : esize);     /* bytes per panel */
+    int64_t lines = pstride / 64;                                /* 64-byte lines per panel */
     int64_t block = (1 << 20) / (4 * k) / GEMM_MR * GEMM_MR;     /* rows of x per ~1 MiB */
     if (block < GEMM_MR) block = GEMM_MR;
     /* x in tiles [K][rows] (fp32): the micro-kernel's row values for one k-step are
@@ -759,19 +808,29 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
             int64_t tiles = (i1 - i0 + GEMM_MR - 1) / GEMM_MR;
             int64_t rows = (i1 - i0 + tiles - 1) / tiles;
             int64_t share = (lines + tiles - 1) / tiles;          /* lines to fetch per tile */
-            int64_t per = (share + k - 1) / k, every = k * per / share;
+            int64_t per = (share + ks - 1) / ks, every = ks * per / share;
 #pragma omp for schedule(static)
             for (int64_t tile = 0; tile < tiles; tile++) {
                 int64_t i = i0 + tile * rows, mr = i1 - i < rows ? i1 - i : rows;
                 float *dst = xp + tile * rows * k;
+                if (bf == 2) {              /* [k-pairs][rows], two bf16 values in 32 bits */
+                    const uint16_t *x16 = (const uint16_t *)x;
+                    uint32_t *d2 = (uint32_t *)dst;
+                    for (int64_t kk = 0; kk < ks; kk++)
+                        for (int64_t r = 0; r < mr; r++) {
+                            const uint16_t *xr = x16 + (i + r) * ldx + 2 * kk;
+                            d2[kk * mr + r] = xr[0] | (2 * kk + 1 < k ? (uint32_t)xr[1] << 16 : 0);
+                        }
+                    continue;
+                }
                 for (int64_t kk = 0; kk < k; kk++)
                     for (int64_t r = 0; r < mr; r++)
                         dst[kk * mr + r] = bf ? bf2f(((const uint16_t *)x)[(i + r) * ldx + kk])
                                               : ((const float *)x)[(i + r) * ldx + kk];
             }                                        /* (the loop ends with a barrier) */
             for (int64_t p = p0; p < p1; p++) {
-                const char *panel = (const char *)packed + p * k * GEMM_NR * esize;
-                const char *next = p + 1 < p1 ? panel + k * GEMM_NR * esize : panel;
+                const char *panel = (const char *)packed + p * pstride;
+                const char *next = p + 1 < p1 ? panel + pstride : panel;
                 int64_t ncols = n - p * cols < cols ? n - p * cols : cols;
                 vmask_t m0 = lanes(ncols), m1 = lanes(ncols - GEMM_VW);
                 if (epi == EPI_GLU) m1 = m0;
@@ -781,7 +840,7 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
                     int64_t first = tile * share;
                     int64_t nl = lines - first < share ? lines - first : share;
                     char *yt = (char *)y + (i * ldy + p * cols) * esize;
-                    gemm_tile(mr, xp + (i - i0) * k, panel, k, b, m0, m1, ncols, yt, ldy,
+                    gemm_tile(mr, xp + (i - i0) * k, panel, ks, b, m0, m1, ncols, yt, ldy,
                               next + first * 64, every, per, nl, epi, bf);
                 }
             }
@@ -806,7 +865,26 @@ int linear_packed_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                        int64_t ldy, int epi, int num_threads) {
     return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 1, num_threads);
 }
+
+/* The same bf16 product with bf16 arithmetic where the CPU has it (AVX-512 bf16: AMD Zen 4
+ * and Zen 5, Intel from Cooper Lake): one vdpbf16ps multiplies two k-steps, products exact
+ * and sums in fp32, over weights packed by pack_linear_weight_dp. */
+int linear_packed_dp(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
+                     int64_t ldy, int epi, int num_threads) {
+#ifdef GEMM_DP
+    return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 2, num_threads);
 #else
+    return -1;
+#endif
+}
+#else
+int linear_packed_dp_available(void) { return 0; }
+void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
+                           int num_threads) {}
+int linear_packed_dp(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
+                     int64_t ldy, int epi, int num_threads) { return -1; }
 int linear_packed_available(void) { return 0; }
 int linear_packed_nr(void) { return 0; }
 void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,

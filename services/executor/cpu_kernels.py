@@ -98,6 +98,12 @@ def _load() -> ctypes.CDLL:
     lib.pack_linear_weight_bf16.restype = None
     lib.linear_packed_bf16.argtypes = lib.linear_packed.argtypes
     lib.linear_packed_bf16.restype = i32
+    lib.linear_packed_dp_available.argtypes = []
+    lib.linear_packed_dp_available.restype = i32
+    lib.pack_linear_weight_dp.argtypes = lib.pack_linear_weight.argtypes
+    lib.pack_linear_weight_dp.restype = None
+    lib.linear_packed_dp.argtypes = lib.linear_packed.argtypes
+    lib.linear_packed_dp.restype = i32
     return lib
 
 
@@ -180,14 +186,23 @@ def linear_available() -> bool:
     return lib is not None and bool(lib.linear_packed_available())
 
 
+def dp_available() -> bool:
+    """True where the packed GEMM also multiplies bf16 with the CPU's bf16 dot products
+    (AVX-512 bf16: AMD Zen 4 / Zen 5, Intel from Cooper Lake)."""
+    return linear_available() and bool(kernels().linear_packed_dp_available())
+
+
 def gemm_nr() -> int:
     """Output columns per packed panel: 32 with AVX-512, 16 with AVX2 (cpu_kernels.c)."""
     return int(kernels().linear_packed_nr())
 
 
-def pack_linear(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
+def pack_linear(weight: torch.Tensor, glu: bool = False, dp: bool | None = None
+                ) -> torch.Tensor:
     """An nn.Linear weight [N, K] in the panel layout of `linear` (1-D, 64-byte aligned
-    by torch's allocator, columns past N zero), bf16 for a bf16 weight, else fp32.
+    by torch's allocator, columns past N zero): fp32 for an fp32 weight; for a bf16 weight,
+    bf16 panels (widened to fp32 in registers), or with dp (default: where `dp_available`)
+    int32 panels, each value a k-pair of bf16 weights for the CPU's bf16 dot products.
     glu=True packs a fused [gate | up] weight [2I, K] for `linear(..., glu=True)`."""
     n, k = weight.shape
     if glu and n % 2:
@@ -196,8 +211,12 @@ def pack_linear(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     w = weight.contiguous() if bf16 else weight.float().contiguous()
     nr = gemm_nr()
     panels = -(-(n // 2) // (nr // 2)) if glu else -(-n // nr)
-    out = torch.empty(panels * k * nr, dtype=w.dtype)
-    pack = kernels().pack_linear_weight_bf16 if bf16 else kernels().pack_linear_weight
+    if bf16 and (dp_available() if dp is None else dp):
+        out = torch.empty(panels * -(-k // 2) * nr, dtype=torch.int32)
+        pack = kernels().pack_linear_weight_dp
+    else:
+        out = torch.empty(panels * k * nr, dtype=w.dtype)
+        pack = kernels().pack_linear_weight_bf16 if bf16 else kernels().pack_linear_weight
     pack(w.data_ptr(), n, k, int(glu), out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -206,12 +225,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
            out: torch.Tensor | None = None, accumulate: bool = False,
            glu: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T + bias -> [M, N], W [N, K] packed by `pack_linear`; fp32, or bf16
-    x and W with fp32 sums and a bf16 result (rounded where torch's bf16 ops round).
+    x and W (bf16 or int32 panels) with fp32 sums and a bf16 result (rounded where torch's
+    bf16 ops round).
 
     out: write there (contiguous [M, N]); with accumulate=True, out += x W^T + bias.
     glu: W is a [gate | up] weight packed with glu=True; returns silu(gate) * up [M, N/2]
     (no bias)."""
-    if x.dtype != packed.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+    dp = packed.dtype == torch.int32 and x.dtype == torch.bfloat16
+    if not dp and (x.dtype != packed.dtype or x.dtype not in (torch.float32, torch.bfloat16)):
         raise TypeError(f"the packed GEMM multiplies fp32 or bf16 rows by a weight of the "
                         f"same dtype, not {x.dtype} x {packed.dtype}")
     if x.stride(-1) != 1:
@@ -226,7 +247,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     epi = EPI_GLU if glu else EPI_ADD if accumulate else EPI_STORE
     run = kernels().linear_packed
     if x.dtype == torch.bfloat16:
-        run = kernels().linear_packed_bf16
+        run = kernels().linear_packed_dp if dp else kernels().linear_packed_bf16
         bias = None if bias is None else bias.float()       # widened: exact
     if run(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias), y.data_ptr(),
            cols, epi, torch.get_num_threads()):

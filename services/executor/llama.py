@@ -304,9 +304,11 @@ class LlamaModel:
     def pack_for_cpu(self) -> bool:
         """Pack every projection once into the GEMM library's own layout, instead of letting
         it reorder the weight on every call. bf16 goes through oneDNN where the CPU
-        multiplies bf16 itself (AMX, AVX-512 bf16), else through the engine's own GEMM (bf16
-        weights widened to fp32 in registers: torch's plain bf16 GEMM on an AVX2 CPU runs at
-        a fifth of the fp32 rate), else oneDNN where it packs bf16. fp32 goes through
+        multiplies bf16 itself (AMX, AVX-512 bf16), or the engine's own GEMM with the CPU's
+        bf16 dot products where that is faster on this model's weights; else through the
+        engine's own GEMM (bf16 weights widened to fp32 in registers: torch's plain bf16
+        GEMM on an AVX2 CPU runs at a fifth of the fp32 rate), else oneDNN where it packs
+        bf16 (`cpu_gemm.bf16_gemm`). fp32 goes through
         whichever of the engine's own GEMM, MKL's packed sgemm and oneDNN is usable
         and fastest on this CPU for this model's weights (cpu_gemm.py; docs/executor.md
         gives their speeds by row count).
@@ -317,14 +319,14 @@ class LlamaModel:
         """
         if self.device.type != "cpu":
             return False
+        sample = max((lin.weight for lin in self.linears()[:4]), key=lambda w: w.numel())
         if self.dtype == torch.float32:
-            sample = max((lin.weight for lin in self.linears()[:4]), key=lambda w: w.numel())
             gemm = pick_fp32_gemm(sample)
             if gemm is None:
                 return False
             pack = lambda w: cpu_gemm.pack_weight(gemm, w)  # noqa: E731
         elif self.dtype == torch.bfloat16:
-            gemm = bf16_gemm()
+            gemm = bf16_gemm(sample)
             if gemm is None:
                 return False
             pack = (cpu_kernels.pack_linear if gemm == "engine"

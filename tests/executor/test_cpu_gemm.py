@@ -77,16 +77,25 @@ def test_accumulate_adds_the_product_into_out():
     assert (out - (residual + F.linear(x, w, b))).abs().max() < 1e-4
 
 
+def bf16_forms():
+    """The engine's two bf16 GEMMs: weights widened to fp32 (any CPU with the engine's
+    GEMM), and bf16 dot products of k-pairs (dp, where the CPU has AVX-512 bf16)."""
+    return [False, pytest.param(True, marks=pytest.mark.skipif(
+        not cpu_kernels.dp_available(), reason="no AVX-512 bf16 dot products here"))]
+
+
+@pytest.mark.parametrize("dp", bf16_forms())
 @pytest.mark.parametrize("n,k", [(17, 3), (100, 1536), (3072, 576)])
-def test_bf16_weights_give_the_fp32_product_rounded_once(n, k):
+def test_bf16_weights_give_the_fp32_product_rounded_once(n, k, dp):
     """bf16 x and W, fp32 sums, one rounding to bf16 at the end: within one bf16 step of the
     exact product, every column written (a poisoned output shows any other), and each row
-    gets the same bits alone as in any batch."""
+    gets the same bits alone as in any batch. k = 3: an odd k, whose last pair the dp
+    form pads with a zero."""
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
-    packed = cpu_kernels.pack_linear(w)
-    assert packed.dtype == torch.bfloat16
+    packed = cpu_kernels.pack_linear(w, dp=dp)
+    assert packed.dtype == (torch.int32 if dp else torch.bfloat16)
     for m in (1, 5, 6, 7, 14, 64, 300):
         x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
@@ -101,18 +110,19 @@ def test_bf16_weights_give_the_fp32_product_rounded_once(n, k):
                 assert torch.equal(cpu_kernels.linear(x[:r], packed, n, b), out[:r])
 
 
-def test_bf16_epilogues_round_where_torch_rounds():
+@pytest.mark.parametrize("dp", bf16_forms())
+def test_bf16_epilogues_round_where_torch_rounds(dp):
     """accumulate: residual + the rounded product, rounded (F.linear then add_ in bf16);
     glu: silu and the product over the rounded gate and up halves, as torch's bf16 ops."""
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(2 * 40, 80, generator=g) / 9).bfloat16()
     x = torch.randn(29, 80, generator=g).bfloat16()
-    product = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 80)
+    product = cpu_kernels.linear(x, cpu_kernels.pack_linear(w, dp=dp), 80)
     residual = torch.randn(29, 80, generator=g).bfloat16()
     out = residual.clone()
-    cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 80, out=out, accumulate=True)
+    cpu_kernels.linear(x, cpu_kernels.pack_linear(w, dp=dp), 80, out=out, accumulate=True)
     assert torch.equal(out, residual + product)
-    glu = cpu_kernels.linear(x, cpu_kernels.pack_linear(w, glu=True), 80, glu=True)
+    glu = cpu_kernels.linear(x, cpu_kernels.pack_linear(w, glu=True, dp=dp), 80, glu=True)
     assert torch.equal(glu, F.silu(product[:, :40]) * product[:, 40:])
 
 

@@ -288,8 +288,9 @@ def test_each_packed_bf16_gemm_stays_close_to_fp32(tiny_llama, monkeypatch, gemm
     r = tiny_runner(folder, dtype="bfloat16")
     lins = r.model.linears()
     assert r.packed_weights and all(lin.gemm == gemm for lin in lins)
-    if gemm == "engine":
-        assert all(lin.packed.dtype == torch.bfloat16 for lin in lins)
+    if gemm == "engine":       # k-pairs for the bf16 dot products where the CPU has them
+        form = torch.int32 if cpu_kernels.dp_available() else torch.bfloat16
+        assert all(lin.packed.dtype == form for lin in lins)
     tokens = PROMPT + [8, 8, 1, 77]
     got = teacher_forced_logits(r, tokens, len(PROMPT), chunk=5)
     ref = hf_logits(hf, tokens, len(PROMPT))
@@ -298,7 +299,8 @@ def test_each_packed_bf16_gemm_stays_close_to_fp32(tiny_llama, monkeypatch, gemm
 
 def test_bf16_without_bf16_instructions_takes_the_engine_gemm(monkeypatch):
     """On a CPU without bf16 instructions (AVX2: Zen 2/3) the bf16 model runs on the engine's
-    GEMM, not torch's plain bf16 GEMM (a fifth of the fp32 rate there); with them, oneDNN."""
+    GEMM, not torch's plain bf16 GEMM (a fifth of the fp32 rate there); with them, where
+    the engine's GEMM has no bf16 dot products, oneDNN."""
     from services.executor import cpu_gemm, cpu_kernels
 
     if not cpu_kernels.linear_available():
@@ -308,7 +310,34 @@ def test_bf16_without_bf16_instructions_takes_the_engine_gemm(monkeypatch):
     assert cpu_gemm.bf16_gemm() == "engine"
     monkeypatch.setattr(cpu_gemm, "cpu_bf16", lambda: ("AuthenticAMD", "avx512_bf16"))
     monkeypatch.setattr(cpu_gemm, "bf16_packing", lambda: True)
-    assert cpu_gemm.bf16_gemm() == "onednn"
+    monkeypatch.setattr(cpu_kernels, "dp_available", lambda: False)
+    assert cpu_gemm.bf16_gemm(torch.ones(64, 32, dtype=torch.bfloat16)) == "onednn"
+
+
+@pytest.mark.parametrize("faster", ["engine", "onednn"])
+def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, faster):
+    """Where oneDNN and the engine's GEMM both multiply bf16 with the CPU's instructions,
+    the one that times faster on the model's weight is used (and only there is anything
+    timed); PAGEDSERVE_CPU_GEMM still forces one."""
+    from services.executor import cpu_gemm, cpu_kernels
+
+    monkeypatch.delenv("PAGEDSERVE_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_gemm, "cpu_bf16", lambda: ("AuthenticAMD", "avx512_bf16"))
+    monkeypatch.setattr(cpu_gemm, "bf16_packing", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "linear_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "dp_available", lambda: True)
+    timed = []
+
+    def cost(gemm, w, evict):
+        timed.append((gemm, w.dtype))
+        return 1.0 if gemm == faster else 2.0
+    monkeypatch.setattr(cpu_gemm, "time_packed_gemm", cost)
+    sample = torch.ones(64, 32, dtype=torch.bfloat16)
+    assert cpu_gemm.bf16_gemm(sample) == faster
+    assert sorted(timed) == [("engine", torch.bfloat16), ("onednn", torch.bfloat16)]
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "onednn" if faster == "engine" else "engine")
+    timed.clear()
+    assert cpu_gemm.bf16_gemm(sample) != faster and not timed
 
 
 def test_config_errors_say_what_to_pass(monkeypatch):
