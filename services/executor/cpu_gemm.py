@@ -204,14 +204,11 @@ def usable_gemms() -> list[str]:
     return usable
 
 
-def pick_fp32_gemm(weight: torch.Tensor) -> str | None:
+def pick_fp32_gemm(weights: list[torch.Tensor]) -> str | None:
     """The packed fp32 GEMM to use: "engine", "mkl", "onednn", or None (plain F.linear).
 
     PAGEDSERVE_CPU_GEMM=engine|mkl|onednn forces one (when it is usable here); by default
-    each is timed on `weight` (the largest projection of the first layer) at 64 and 512 rows,
-    the sizes of decode and prefill steps, with the weight coming from memory, on this
-    process's threads (about 0.4 s at start), and the one with the lowest time per row,
-    summed over the two sizes, wins."""
+    the `fastest` on `weights` (the first layer's projections)."""
     usable = usable_gemms()
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
     if forced in FP32_GEMMS:
@@ -221,12 +218,21 @@ def pick_fp32_gemm(weight: torch.Tensor) -> str | None:
                     usable[0] if usable else "the plain GEMM")
     if len(usable) < 2:
         return usable[0] if usable else None
+    return fastest(usable, weights, "fp32")
+
+
+def fastest(gemms: list[str], weights: list[torch.Tensor], what: str) -> str:
+    """The one of `gemms` with the lowest time per row summed over `weights` (the first
+    layer's projections: which GEMM wins can change with the shape, and the largest alone
+    gave a tie on SmolLM2 in bf16 where the four together do not) and over two sizes, 64
+    and 512 rows, those of decode and prefill steps, with each weight coming from memory,
+    on this process's threads (about a second at start)."""
     evict = torch.ones(EVICT_BYTES // 4)
-    cost = {g: time_packed_gemm(g, weight, evict) for g in usable}
+    cost = {g: sum(time_packed_gemm(g, w, evict) for w in weights) for g in gemms}
     del evict
     best = min(cost, key=cost.get)
-    log.info("fp32 GEMM: %s (per row at 64 + at 512 rows: %s)", best,
-             ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
+    log.info("%s GEMM: %s (per row at 64 + at 512 rows, %d weights: %s)", what, best,
+             len(weights), ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
     return best
 
 
@@ -250,13 +256,13 @@ def time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:
     return total
 
 
-def bf16_gemm(sample: torch.Tensor | None = None) -> str | None:
+def bf16_gemm(weights: list[torch.Tensor] | None = None) -> str | None:
     """The packed GEMM of a bf16 model: "onednn" or "engine".
 
     Where the CPU multiplies bf16 itself (AMX, AVX-512 bf16) and torch packs bf16 for
     oneDNN: oneDNN, or, where the engine's GEMM also runs the CPU's bf16 dot products
-    (AVX-512 bf16: AMD Zen 4 / Zen 5), whichever of the two is faster on `sample` (the
-    largest projection of the first layer), timed as `pick_fp32_gemm` times fp32 GEMMs.
+    (AVX-512 bf16: AMD Zen 4 / Zen 5), the `fastest` of the two on `weights` (the first
+    layer's projections).
     Else "engine", the engine's own GEMM over bf16 weights widened to fp32 in registers
     (AVX2 or AVX-512 without bf16: on a Zen 3 torch's plain bf16 GEMM gave 28.5 output
     tok/s against fp32's 164.7, loadtest/bench_llamacpp.py); else "onednn" where it packs
@@ -269,14 +275,8 @@ def bf16_gemm(sample: torch.Tensor | None = None) -> str | None:
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
     gemm = forced if forced in usable else usable[0] if usable else None
     if forced not in usable and native and engine and cpu_kernels.dp_available() \
-            and sample is not None:
-        evict = torch.ones(EVICT_BYTES // 4)
-        cost = {g: time_packed_gemm(g, sample, evict) for g in ("engine", "onednn")}
-        del evict
-        gemm = min(cost, key=cost.get)
-        log.info("bf16 GEMM: %s (per row at 64 + at 512 rows: %s)", gemm,
-                 ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
-        return gemm
+            and weights:
+        return fastest(["engine", "onednn"], weights, "bf16")
     log.info("bf16 GEMM: %s", gemm or "the plain GEMM")
     return gemm
 

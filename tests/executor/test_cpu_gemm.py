@@ -153,7 +153,7 @@ def test_a_gemm_that_computes_wrong_products_is_never_picked(monkeypatch, caplog
     assert cpu_gemm.gemm_available("engine") and not cpu_gemm.gemm_correct("engine")
     assert cpu_gemm.usable_gemms() == []
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "engine")
-    assert cpu_gemm.pick_fp32_gemm(torch.randn(64, 32)) is None
+    assert cpu_gemm.pick_fp32_gemm([torch.randn(64, 32)]) is None
     assert "gives wrong products" in caplog.text
 
 

@@ -311,13 +311,13 @@ def test_bf16_without_bf16_instructions_takes_the_engine_gemm(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "cpu_bf16", lambda: ("AuthenticAMD", "avx512_bf16"))
     monkeypatch.setattr(cpu_gemm, "bf16_packing", lambda: True)
     monkeypatch.setattr(cpu_kernels, "dp_available", lambda: False)
-    assert cpu_gemm.bf16_gemm(torch.ones(64, 32, dtype=torch.bfloat16)) == "onednn"
+    assert cpu_gemm.bf16_gemm([torch.ones(64, 32, dtype=torch.bfloat16)]) == "onednn"
 
 
 @pytest.mark.parametrize("faster", ["engine", "onednn"])
 def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, faster):
     """Where oneDNN and the engine's GEMM both multiply bf16 with the CPU's instructions,
-    the one that times faster on the model's weight is used (and only there is anything
+    the one that times faster over the first layer's weights is used (and only there is anything
     timed); PAGEDSERVE_CPU_GEMM still forces one."""
     from services.executor import cpu_gemm, cpu_kernels
 
@@ -332,12 +332,13 @@ def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, faster):
         timed.append((gemm, w.dtype))
         return 1.0 if gemm == faster else 2.0
     monkeypatch.setattr(cpu_gemm, "time_packed_gemm", cost)
-    sample = torch.ones(64, 32, dtype=torch.bfloat16)
-    assert cpu_gemm.bf16_gemm(sample) == faster
-    assert sorted(timed) == [("engine", torch.bfloat16), ("onednn", torch.bfloat16)]
+    first_layer = [torch.ones(64, 32, dtype=torch.bfloat16),
+                   torch.ones(32, 96, dtype=torch.bfloat16)]
+    assert cpu_gemm.bf16_gemm(first_layer) == faster
+    assert sorted(timed) == [("engine", torch.bfloat16)] * 2 + [("onednn", torch.bfloat16)] * 2
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "onednn" if faster == "engine" else "engine")
     timed.clear()
-    assert cpu_gemm.bf16_gemm(sample) != faster and not timed
+    assert cpu_gemm.bf16_gemm(first_layer) != faster and not timed
 
 
 def test_config_errors_say_what_to_pass(monkeypatch):
