@@ -341,6 +341,21 @@ def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, faster):
     assert cpu_gemm.bf16_gemm(first_layer) != faster and not timed
 
 
+@pytest.mark.parametrize("engine_cost,picked", [(1.04, "engine"), (1.06, "onednn"),
+                                                (0.9, "engine")])
+def test_the_fp32_pick_keeps_the_engine_unless_another_is_clearly_faster(
+        monkeypatch, engine_cost, picked):
+    """Within ENGINE_MARGIN (5 %) of the fastest time the engine's GEMM is kept; a GEMM
+    that times faster by more is picked."""
+    from services.executor import cpu_gemm
+
+    monkeypatch.delenv("PAGEDSERVE_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_gemm, "usable_gemms", lambda: ["engine", "mkl", "onednn"])
+    costs = {"engine": engine_cost, "mkl": 1.5, "onednn": 1.0}
+    monkeypatch.setattr(cpu_gemm, "time_packed_gemm", lambda g, w, evict: costs[g])
+    assert cpu_gemm.pick_fp32_gemm([torch.ones(8, 8)]) == picked
+
+
 def test_config_errors_say_what_to_pass(monkeypatch):
     from services.executor.config import ExecutorConfig, ExecutorConfigError
 
