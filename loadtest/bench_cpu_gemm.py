@@ -106,7 +106,8 @@ def main() -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows (tokens in the step)")
         ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"fp32 GEMM, SmolLM2 projections, weights from memory, "
+        kind = "fp32 and bf16 GEMMs" if args.bf16 else "fp32 GEMM"
+        ax.set_title(f"{kind}, SmolLM2 projections, weights from memory, "
                      f"{res['threads']} threads", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend()
