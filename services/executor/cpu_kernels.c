@@ -582,8 +582,17 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t v, int64_t ld, i
 
 #ifdef GEMM_VW
 #define GEMM_NR (2 * GEMM_VW)
-#if GEMM_VW == 16 && defined(__AVX512BF16__)
+#if GEMM_VW == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEMM_DP 1        /* bf16 dot products of pairs (vdpbf16ps): linear_packed_dp */
+
+/* bf16 <-> fp32 in registers: vcvtneps2bf16 rounds to nearest even, as f2bf */
+static inline __m256i v_bf16(__m512 a) { return (__m256i)_mm512_cvtneps_pbh(a); }
+static inline __m512 v_widen(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+static inline __m512 v_round(__m512 a) { return v_widen(v_bf16(a)); }
+/* glibc's 16-lane expf (libmvec), which gcc calls for the vectorised loops of expf here */
+extern __m512 _ZGVeN16v_expf(__m512 x);
 #endif
 int linear_packed_available(void) { return 1; }
 int linear_packed_nr(void) { return GEMM_NR; }
@@ -707,6 +716,32 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
             acc[r][1] = V_FMA(a, w1, acc[r][1]);
         }
     }
+#ifdef GEMM_DP
+    if (bf == 2 && epi == EPI_GLU) {    /* silu_and_mul_bf16's roundings, in registers */
+        for (int r = 0; r < mr; r++) {
+            __m512 g = v_round(acc[r][0]), u = v_round(acc[r][1]);
+            __m512 e = _ZGVeN16v_expf(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                                    _mm512_set1_ps(80.f)));
+            __m512 s = v_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+            _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy, m0, v_bf16(_mm512_mul_ps(s, u)));
+        }
+        return;
+    }
+    if (bf == 2) {                      /* rounded in registers, 16 columns at a time */
+        for (int r = 0; r < mr; r++) {
+            uint16_t *yr = (uint16_t *)y + r * ldy;
+            for (int h = 0; h < 2; h++) {
+                vmask_t m = h ? m1 : m0;
+                __m512 a = acc[r][h];
+                if (epi == EPI_ADD)     /* y + the rounded product, rounded */
+                    a = _mm512_add_ps(v_widen(_mm256_maskz_loadu_epi16(m, yr + h * GEMM_VW)),
+                                      v_widen(v_bf16(a)));
+                _mm256_mask_storeu_epi16(yr + h * GEMM_VW, m, v_bf16(a));
+            }
+        }
+        return;
+    }
+#endif
     if (bf) {         /* plain loops over the tile's values, which gcc vectorises */
         float t[GEMM_MR * GEMM_NR];
         for (int r = 0; r < mr; r++) {
