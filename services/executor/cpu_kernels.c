@@ -107,6 +107,22 @@ static inline void prefetch_row(const char *next, int64_t o, int64_t row_bytes) 
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b, 0, 3);
 }
 
+/* Each of the hq score rows [0, ctx) -> exp(s - max) in place; inv[j] = 1 / its sum. */
+static inline void softmax_rows(float *sc, int64_t hq, int64_t ctx, int64_t max_len,
+                                float *inv) {
+    for (int64_t j = 0; j < hq; j++) {
+        float *s = sc + j * max_len;
+        float m = s[0];
+        for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        inv[j] = 1.f / sum;
+    }
+}
+
 /* Inlined into one copy per common head size (attend, below), so that the compiler sees
  * `d` as a constant: the dot products and the V updates unroll into whole vector registers
  * with no remainder loops (43 -> 21 ms per decode step with the loop order below; either
@@ -135,17 +151,7 @@ attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int3
             }
         }
     }
-    for (int64_t j = 0; j < hq; j++) {                                /* softmax */
-        float *s = sc + j * max_len;
-        float m = s[0];
-        for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; t++) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
-        }
-        inv[j] = 1.f / sum;
-    }
+    softmax_rows(sc, hq, ctx, max_len, inv);
     memset(acc, 0, sizeof(float) * (size_t)(hq * d));                /* acc = p . v */
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, blk++) {
         int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
@@ -179,7 +185,10 @@ attend_impl(const float *q, const void *kc, const void *vc, int bf16, const int3
  * The block's rows are read from L1 once per query head; memory sees the same reads in
  * the same order as attend_impl (whole rows, block by block), and the next block of the
  * table is asked for while the current one is worked on, spread over its query heads. */
-static inline __attribute__((always_inline)) vec_t load_kv(const void *p, int64_t off, int bf) {
+/* VW values from `p` + `off` values as fp32: loaded, or (bf = 1) bf16 widened in the
+ * register (K/V rows here, weight panels in the GEMM). */
+static inline __attribute__((always_inline)) vec_t load_vec(const void *p, int64_t off,
+                                                             int bf) {
     if (!bf) return V_LOADU((const float *)p + off);
     const uint16_t *src = (const uint16_t *)p + off;
 #if GEMM_VW == 16
@@ -228,6 +237,7 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
     const int64_t VW = GEMM_VW;
     int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
     int64_t nblk = (ctx + bs - 1) / bs, esize = bf16 ? 2 : 4;
+    float inv[MAX_HEADS];
     for (int pass = 0; pass < 2; pass++) {       /* 0: scores = q . k;  1: out += p . v */
         const void *cache = pass ? vc : kc;
         if (pass) memset(out, 0, sizeof(float) * (size_t)(hq * d));
@@ -259,7 +269,7 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                             for (int64_t c = 0; c < d; c += VW) {
                                 vec_t qv = V_LOADU(qj + c);
                                 for (int t = 0; t < VW; t++)
-                                    acc[t] = V_FMA(qv, load_kv(rows[t], c, bf16), acc[t]);
+                                    acc[t] = V_FMA(qv, load_vec(rows[t], c, bf16), acc[t]);
                             }
                             V_MSTORE(sc + j * max_len + t0 + o, lanes(n - o), sum_lanes(acc));
                         }
@@ -276,7 +286,7 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                                 const char *row = hb + o * row_bytes;
                                 for (int c = 0; c < ATT_VC; c++)
                                     if (c < nc)
-                                        acc[c] = V_FMA(pv, load_kv(row, c0 + c * VW, bf16),
+                                        acc[c] = V_FMA(pv, load_vec(row, c0 + c * VW, bf16),
                                                        acc[c]);
                             }
                             for (int c = 0; c < ATT_VC; c++)
@@ -285,19 +295,10 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                     }
                 }
         }
-        if (!pass)
-            for (int64_t j = 0; j < hq; j++) {                       /* softmax */
-                float *s = sc + j * max_len;
-                float m = s[0];
-                for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
-                float sum = 0.f;
-                for (int64_t t = 0; t < ctx; t++) {
-                    s[t] = expf(s[t] - m);
-                    sum += s[t];
-                }
-                for (int64_t t = 0; t < ctx; t++) s[t] *= 1.f / sum;
-            }
+        if (!pass) softmax_rows(sc, hq, ctx, max_len, inv);
     }
+    for (int64_t j = 0; j < hq; j++)
+        for (int64_t i = 0; i < d; i++) out[j * d + i] *= inv[j];
 }
 #endif
 
@@ -648,19 +649,6 @@ void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uin
 
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
 
-/* VW weights of a panel row as fp32: loaded, or (bf = 1) bf16 widened in the register. */
-static inline __attribute__((always_inline)) vec_t load_w(const void *panel, int64_t off,
-                                                           int bf) {
-    if (!bf) return V_LOAD((const float *)panel + off);
-    const uint16_t *src = (const uint16_t *)panel + off;
-#if GEMM_VW == 16
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)src)), 16));
-#else
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_load_si128((const __m128i *)src)), 16));
-#endif
-}
 
 /* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:NR] = r (EPI_STORE),
  * y += r (EPI_ADD), or y[0:mr, 0:VW] = silu(r[:, :VW]) * r[:, VW:] (EPI_GLU), masked to
@@ -703,8 +691,8 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
     } else
 #endif
     for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
-        vec_t w0 = load_w(panel, kk * GEMM_NR, bf);
-        vec_t w1 = load_w(panel, kk * GEMM_NR + GEMM_VW, bf);
+        vec_t w0 = load_vec(panel, kk * GEMM_NR, bf);
+        vec_t w1 = load_vec(panel, kk * GEMM_NR + GEMM_VW, bf);
         if (--wait <= 0) {                 /* a countdown: no division in this loop */
             wait = every;
             for (int64_t e = line + per; line < e && line < nlines; line++)
