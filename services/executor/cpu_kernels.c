@@ -592,8 +592,12 @@ static inline __m512 v_widen(__m256i b) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 static inline __m512 v_round(__m512 a) { return v_widen(v_bf16(a)); }
-/* glibc's 16-lane expf (libmvec), which gcc calls for the vectorised loops of expf here */
+#ifdef __GLIBC__
+/* glibc's 16-lane expf (libmvec), which gcc calls for the vectorised loops of expf here
+ * (elsewhere the silu epilogue takes the plain loops below) */
+#define GEMM_VEXPF 1
 extern __m512 _ZGVeN16v_expf(__m512 x);
+#endif
 #endif
 int linear_packed_available(void) { return 1; }
 int linear_packed_nr(void) { return GEMM_NR; }
@@ -705,6 +709,7 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
         }
     }
 #ifdef GEMM_DP
+#ifdef GEMM_VEXPF
     if (bf == 2 && epi == EPI_GLU) {    /* silu_and_mul_bf16's roundings, in registers */
         for (int r = 0; r < mr; r++) {
             __m512 g = v_round(acc[r][0]), u = v_round(acc[r][1]);
@@ -715,7 +720,8 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
         }
         return;
     }
-    if (bf == 2) {                      /* rounded in registers, 16 columns at a time */
+#endif
+    if (bf == 2 && epi != EPI_GLU) {  /* rounded in registers, 16 columns at a time */
         for (int r = 0; r < mr; r++) {
             uint16_t *yr = (uint16_t *)y + r * ldy;
             for (int h = 0; h < 2; h++) {
