@@ -285,10 +285,9 @@ def bf16_gemm(weights: list[torch.Tensor] | None = None) -> str | None:
     usable = [g for g, ok in (("onednn", native), ("engine", engine),
                               ("onednn", bf16_packing())) if ok]
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
-    gemm = forced if forced in usable else usable[0] if usable else None
-    if forced not in usable and native and engine and cpu_kernels.dp_available() \
-            and weights:
+    if forced not in usable and native and engine and cpu_kernels.dp_available() and weights:
         return fastest(["engine", "onednn"], weights, "bf16")
+    gemm = forced if forced in usable else usable[0] if usable else None
     log.info("bf16 GEMM: %s", gemm or "the plain GEMM")
     return gemm
 

@@ -38,7 +38,6 @@
 #define GEMM_MR 14
 typedef __m512 vec_t;
 typedef __mmask16 vmask_t;
-#define V_LOAD(p) _mm512_load_ps(p)
 #define V_LOADU(p) _mm512_loadu_ps(p)
 #define V_STOREU(p, v) _mm512_storeu_ps(p, v)
 #define V_SET1(x) _mm512_set1_ps(x)
@@ -55,7 +54,6 @@ static inline vmask_t lanes(int64_t n) {              /* the first n of 16 lanes
 #define GEMM_MR 6
 typedef __m256 vec_t;
 typedef __m256i vmask_t;
-#define V_LOAD(p) _mm256_load_ps(p)
 #define V_LOADU(p) _mm256_loadu_ps(p)
 #define V_STOREU(p, v) _mm256_storeu_ps(p, v)
 #define V_SET1(x) _mm256_set1_ps(x)
@@ -637,22 +635,7 @@ void pack_linear_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int glu, u
     pack_panels((const char *)w, n, k, glu, (char *)out, 2, 0, num_threads);
 }
 
-#ifdef GEMM_DP
-int linear_packed_dp_available(void) { return 1; }
-/* bf16 w [N, K] -> panels [ceil(K/2)][NR][2]: the two weights of a k-pair side by side, as
- * vdpbf16ps multiplies them with a row's two values (K odd: a zero after the last). */
-void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
-                           int num_threads) {
-    pack_panels((const char *)w, n, k, glu, (char *)out, 2, 1, num_threads);
-}
-#else
-int linear_packed_dp_available(void) { return 0; }
-void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
-                           int num_threads) {}
-#endif
-
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
-
 
 /* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:NR] = r (EPI_STORE),
  * y += r (EPI_ADD), or y[0:mr, 0:VW] = silu(r[:, :VW]) * r[:, VW:] (EPI_GLU), masked to
@@ -792,8 +775,8 @@ static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
 #define TILE_DP(R)
 #endif
 #define TILE(R) case R: \
-    TILE_DP(R) if (bf) gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
-                           nlines, epi, 1); \
+    TILE_DP(R) if (bf) gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, \
+                                      per, nlines, epi, 1); \
     else gemm_tile_impl(R, xt, panel, k, bias, m0, m1, ncols, y, ldy, pf, every, per, \
                         nlines, epi, 0); \
     break;
@@ -894,26 +877,7 @@ int linear_packed_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                        int64_t ldy, int epi, int num_threads) {
     return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 1, num_threads);
 }
-
-/* The same bf16 product with bf16 arithmetic where the CPU has it (AVX-512 bf16: AMD Zen 4
- * and Zen 5, Intel from Cooper Lake): one vdpbf16ps multiplies two k-steps, products exact
- * and sums in fp32, over weights packed by pack_linear_weight_dp. */
-int linear_packed_dp(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
-                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
-                     int64_t ldy, int epi, int num_threads) {
-#ifdef GEMM_DP
-    return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 2, num_threads);
 #else
-    return -1;
-#endif
-}
-#else
-int linear_packed_dp_available(void) { return 0; }
-void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
-                           int num_threads) {}
-int linear_packed_dp(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
-                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
-                     int64_t ldy, int epi, int num_threads) { return -1; }
 int linear_packed_available(void) { return 0; }
 int linear_packed_nr(void) { return 0; }
 void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
@@ -927,3 +891,33 @@ int linear_packed(const float *x, int64_t m, int64_t k, int64_t ldx, const float
                   int64_t n, const float *bias, float *y, int64_t ldy, int epi,
                   int num_threads) { return -1; }
 #endif
+
+/* The same bf16 product with bf16 arithmetic where the CPU has it (AVX-512 bf16: AMD Zen 4
+ * and Zen 5, Intel from Cooper Lake): one vdpbf16ps multiplies two k-steps, products exact
+ * and sums in fp32. The weight is packed in panels [ceil(K/2)][NR][2]: the two weights of a
+ * k-pair side by side, as vdpbf16ps multiplies them with a row's two values (K odd: a zero
+ * after the last). */
+int linear_packed_dp_available(void) {
+#ifdef GEMM_DP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void pack_linear_weight_dp(const uint16_t *w, int64_t n, int64_t k, int glu, uint16_t *out,
+                           int num_threads) {
+#ifdef GEMM_DP
+    pack_panels((const char *)w, n, k, glu, (char *)out, 2, 1, num_threads);
+#endif
+}
+
+int linear_packed_dp(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *y,
+                     int64_t ldy, int epi, int num_threads) {
+#ifdef GEMM_DP
+    return gemm(x, m, k, ldx, packed, n, bias, y, ldy, epi, 2, num_threads);
+#else
+    return -1;
+#endif
+}
