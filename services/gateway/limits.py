@@ -24,6 +24,7 @@ log = logging.getLogger("pagedserve.gateway")
 
 # ------------------------------------------------------------ connection deadlines
 WRITABLE = "pagedserve.writable"     # scope key: the connection's Writable
+BODY_WRITER = "pagedserve.body_writer"   # scope key: the request's BodyWriter (httptools)
 
 
 class Writable:
@@ -35,6 +36,30 @@ class Writable:
 
     def __init__(self) -> None:
         self.paused = False
+
+
+class BodyWriter:
+    """One request's streamed body written straight to its socket: the bytes uvicorn's
+    httptools `send` writes for a chunked body piece, without the ASGI layers between
+    (each middleware wraps `send` in a coroutine; an SSE token costs one send).
+
+    In the scope under BODY_WRITER (httptools only). `write` refuses (returns False) where
+    `send` would do anything else: before the response has started, after it completed,
+    for a body that is not chunked, on a lost connection, or while the socket's buffer is
+    full (send would wait); the caller then uses `send`."""
+
+    __slots__ = ("cycle", "writable")
+
+    def __init__(self, cycle, writable: Writable) -> None:
+        self.cycle, self.writable = cycle, writable
+
+    def write(self, body: bytes) -> bool:
+        c = self.cycle
+        if (self.writable.paused or c.disconnected or not c.response_started
+                or c.response_complete or not c.chunked_encoding or not body):
+            return False
+        c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
 
 class _Deadlines:
@@ -115,8 +140,13 @@ def protocol_class(header_timeout_s: float, send_timeout_s: float,
         class Protocol(_Deadlines, base):
             def on_headers_complete(self) -> None:
                 self._headers_done()
-                self.scope[WRITABLE] = self.writable
+                scope = self.scope
+                scope[WRITABLE] = self.writable
                 super().on_headers_complete()
+                # (the request's cycle exists now; its ASGI task has not started yet)
+                if self.cycle is not None and self.cycle.scope is scope \
+                        and scope.get("method") != "HEAD":
+                    scope[BODY_WRITER] = BodyWriter(self.cycle, self.writable)
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 

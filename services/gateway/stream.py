@@ -38,7 +38,7 @@ import logging
 import time
 
 from services.gateway.follower import Subscription, next_outputs, stream_id
-from services.gateway.limits import WRITABLE
+from services.gateway.limits import BODY_WRITER, WRITABLE
 from services.gateway.output import ChoiceDelta, OutputProcessor, join, usage_of
 from services.gateway.queue import QueueUnavailable
 from services.gateway.responses import Shapes, dumps
@@ -93,6 +93,7 @@ class GenerationStream:
         self.quiet_since = 0.0              # (loop time) when the last SSE bytes were sent
         self.send = None                    # the ASGI send of the SSE body, once started
         self.writable = None                # the connection's limits.Writable (if any)
+        self.direct = None                  # the request's limits.BodyWriter (if any)
         self.pump_error: Exception | None = None
         self.loop: asyncio.AbstractEventLoop | None = None     # set by _sse
 
@@ -117,6 +118,9 @@ class GenerationStream:
 
         watcher = asyncio.ensure_future(watch())
         self.writable = scope.get(WRITABLE)
+        # NOTE: SSE body pieces go straight to the socket where the server allows it, past
+        # the middleware; none of ours changes a body (one that did would need this off).
+        self.direct = scope.get(BODY_WRITER)
         self.gw.metrics.streams.inc()
         try:
             if self.resumed:
@@ -341,6 +345,8 @@ class GenerationStream:
         if self.frames:
             body, self.frames = b"".join(self.frames), []
             self.quiet_since = self.loop.time()
+            if self.direct is not None and self.direct.write(body):
+                return True
             try:
                 await self.send({"type": "http.response.body", "body": body, "more_body": True})
             except Exception as exc:         # raised in _sse, on the response's own task
@@ -377,6 +383,8 @@ class GenerationStream:
                 self.send = send
             body, self.frames = b"".join(self.frames), []
             self.quiet_since = loop.time()
+            if more and self.direct is not None and self.direct.write(body):
+                return
             await send({"type": "http.response.body", "body": body, "more_body": more})
 
         while not self.done:
