@@ -1,7 +1,7 @@
 """The scheduler's link to Redis: one pipelined round trip per iteration, typed batches.
 
     round(outputs, acks, heartbeat, want)
-      out   encoded RequestOutputs  XADD {prefix}:out:{id}, EXPIRE        } one script, run only
+      out   encoded RequestOutputs  XADD {prefix}:out:{id} (+ EXPIRE)     } one script, run only
             acks of ended requests  XACK + XDEL of their request-stream entries } while this
                                                                           process holds its claim
             Heartbeat               HSET/HDEL of the liveness and health hashes, SET metrics
@@ -9,6 +9,13 @@
 
 Every command queued on the pipeline is queued with the handler of its reply, so replies are
 never read by a position that depends on what was asked. Key names: shared/redis_keys.py.
+
+An output stream's TTL (OUTPUT_TTL_S after its last write) is set by a request's first
+output in this process, then again only once TTL_REFRESH_S has passed since (and to
+FINISHED_OUTPUT_TTL_S by its last output): an EXPIRE per token was almost half of what the
+script cost Redis. A stream therefore lives at least OUTPUT_TTL_S - TTL_REFRESH_S after
+its last write. A round that fails sets no TTL and records none; a round that finds Redis
+without its data (the claim key gone) sets the TTL of every stream it writes.
 
 One writer per output stream: a scheduler that takes over another's pending requests first
 marks the other's claim key taken, and every publication checks, in the same script that
@@ -38,14 +45,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedserve.scheduler")
 
 
+TTL_REFRESH_S = 60.0      # an output stream's TTL is set again at most this often (above)
+
+
 class ClaimLost(RuntimeError):
     """Another scheduler took over this one's requests: publish nothing more."""
 
 
 # KEYS: claim key, request stream, output streams...   ARGV: token, group, field, n outputs,
-# then (payload, ttl) per output, then the acknowledged entry ids.
+# then (payload, ttl) per output (a negative ttl: leave the stream's TTL as it is, unless
+# Redis lost its data), then the acknowledged entry ids.
 # Returns 0 (nothing written) when the claim holds another token. A missing claim key (Redis
-# restarted without its data) is taken back: no one else can hold what that Redis lost.
+# restarted without its data) is taken back: no one else can hold what that Redis lost; the
+# streams written then all get their TTL (-ttl), and it returns 2.
 # NOTE: the shebang makes Redis (>= 7) refuse the whole script while it is over maxmemory,
 # rather than fail it halfway: either every output of a round is written or none.
 _PUBLISH = """#!lua
@@ -55,12 +67,16 @@ if not held then redis.call('SET', KEYS[1], ARGV[1]) end
 local n = tonumber(ARGV[4])
 for i = 1, n do
   redis.call('XADD', KEYS[2 + i], '*', ARGV[3], ARGV[3 + 2 * i])
-  redis.call('EXPIRE', KEYS[2 + i], ARGV[4 + 2 * i])
+  local ttl = tonumber(ARGV[4 + 2 * i])
+  if ttl > 0 or not held then
+    redis.call('EXPIRE', KEYS[2 + i], math.abs(ttl))
+  end
 end
 for j = 5 + 2 * n, #ARGV do
   redis.call('XACK', KEYS[2], ARGV[2], ARGV[j])
   redis.call('XDEL', KEYS[2], ARGV[j])
 end
+if not held then return 2 end
 return 1
 """
 
@@ -115,6 +131,9 @@ class RedisLink:
         # Redis server time minus this host's (s), measured by every round: heartbeats are
         # written and compared in the server's clock, so hosts' clocks need not agree.
         self.clock_offset = 0.0
+        # request id -> (monotonic) when a round that wrote its stream's TTL succeeded
+        self._ttl_set: dict[str, float] = {}
+        self._ttl_pruned = time.monotonic()
 
     def now(self) -> float:
         """The Redis server's clock (unix seconds), as of the last round's measurement."""
@@ -148,6 +167,7 @@ class RedisLink:
         the same when Redis is out of memory (inbound.held), but what was read is taken. Raises ClaimLost when another scheduler took this one's requests over."""
         pipe = self.redis.pipeline(transaction=False)
         handlers: list[Callable | None] = []
+        now, refreshed = time.monotonic(), []     # the streams whose TTL this round sets
 
         def queue(command: Callable, *args, handler: Callable | None = None, **kw) -> None:
             command(*args, **kw)
@@ -160,14 +180,23 @@ class RedisLink:
             keys = [self.keys.claim(self.name), self.keys.requests,
                     *(self.keys.output(request_id) for request_id, *_ in outputs)]
             args = [self.token, CONSUMER_GROUP, MSG_FIELD, len(outputs)]
-            for _, finished, _, _, data in outputs:
-                args += [data, FINISHED_OUTPUT_TTL_S if finished else OUTPUT_TTL_S]
+            ttl_set, due = self._ttl_set, now - TTL_REFRESH_S
+            for request_id, finished, _, _, data in outputs:
+                if finished:
+                    ttl = FINISHED_OUTPUT_TTL_S
+                elif ttl_set.get(request_id, due) <= due:
+                    ttl = OUTPUT_TTL_S
+                    refreshed.append(request_id)
+                else:
+                    ttl = -OUTPUT_TTL_S
+                args += [data, ttl]
             if self._publish_sha is None:
                 self._publish_sha = self.redis.script_load(_PUBLISH)
             # NOTE: EVALSHA on the pipeline, not a registered Script: redis-py would check
             # that the script exists in an extra round trip before every round.
             queue(pipe.evalsha, self._publish_sha, len(keys), *keys, *args, *acks,
-                  handler=self._check_claim)
+                  handler=lambda reply, inbound: self._published(reply, outputs, refreshed,
+                                                                  now))
         if beat is not None:
             self._queue_beat(queue, pipe, beat)
         queue(pipe.time, handler=self._take_time)
@@ -184,6 +213,7 @@ class RedisLink:
                 # is made again and read in the next round.
                 log.warning("request group vanished (Redis restarted?); recreating it")
                 self.ensure_group()
+                self._ttl_set.clear()            # streams written meanwhile have none
             elif isinstance(reply, redis.OutOfMemoryError):
                 inbound.held = "Redis is out of memory (maxmemory)"
             elif isinstance(reply, redis.exceptions.NoScriptError):
@@ -195,7 +225,25 @@ class RedisLink:
                 handler(reply, inbound)
         return inbound
 
-    def _check_claim(self, reply, _inbound) -> None:
+    def _published(self, reply, outputs: list[Outgoing], refreshed: list[str],
+                   now: float) -> None:
+        self._check_claim(reply)
+        ttl_set = self._ttl_set
+        if reply == 2:            # Redis had lost its data: every stream is set again
+            ttl_set.clear()
+        for request_id in refreshed:
+            ttl_set[request_id] = now
+        for request_id, finished, *_ in outputs:
+            if finished:
+                ttl_set.pop(request_id, None)
+        if now - self._ttl_pruned >= TTL_REFRESH_S:
+            # requests that ended without a last output here (taken over, say): an entry
+            # older than the refresh interval means the same as none
+            self._ttl_pruned = now
+            for request_id in [r for r, t in ttl_set.items() if t <= now - TTL_REFRESH_S]:
+                del ttl_set[request_id]
+
+    def _check_claim(self, reply, _inbound=None) -> None:
         if not reply:
             raise ClaimLost(f"scheduler {self.name}: another scheduler took over its requests "
                             "(this process was silent past the heartbeat timeout)")

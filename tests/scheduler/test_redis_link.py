@@ -3,15 +3,18 @@ and reads, and what it read comes back typed whatever else the round asked for; 
 whose requests were taken over writes nothing more; Redis out of memory loses nothing."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 
+from services.scheduler import redis_link
 from services.scheduler.outputs import outgoing
-from services.scheduler.redis_link import ClaimLost, Heartbeat, RedisLink
+from services.scheduler.redis_link import TTL_REFRESH_S, ClaimLost, Heartbeat, RedisLink
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SamplingParams,
                              SeqDelta)
-from shared.redis_keys import CONSUMER_GROUP, MSG_FIELD, RedisKeys
+from shared.redis_keys import (CONSUMER_GROUP, FINISHED_OUTPUT_TTL_S, MSG_FIELD, OUTPUT_TTL_S,
+                               RedisKeys)
 from shared.wire import decode, encode
 
 
@@ -115,3 +118,46 @@ def test_a_round_redis_refuses_out_of_memory_or_restarted_is_held_whole(redis_se
     assert got.held and link.redis.xlen(link.keys.output("x")) == 1
     got = link.round([outgoing(RequestOutput("x", [SeqDelta(0, [6])]))], [], None, read=False)
     assert got.held is None and link.redis.xlen(link.keys.output("x")) == 2
+
+
+def test_a_streams_ttl_is_set_by_its_first_output_then_only_when_due(redis_server,
+                                                                     monkeypatch):
+    """No EXPIRE per token: the TTL is set by the first output, again once TTL_REFRESH_S
+    has passed, to the finished TTL by the last output, and by a round that finds Redis
+    without its data; a held round records nothing."""
+    link = _link(redis_server)
+    link.hold_claim()
+    r = link.redis
+
+    def out(rid: str, token: int, finished: bool = False):
+        return outgoing(RequestOutput(rid, [SeqDelta(0, [token])], finished=finished))
+
+    key = link.keys.output("a")
+    link.round([out("a", 1)], [], None, read=False)
+    assert OUTPUT_TTL_S - 5 < r.ttl(key) <= OUTPUT_TTL_S
+    r.expire(key, 5000)                  # a mark: a round that sets the TTL undoes it
+    link.round([out("a", 2)], [], None, read=False)
+    assert r.ttl(key) > 4000, "the second output set the TTL again"
+    later = time.monotonic() + TTL_REFRESH_S + 1
+    monkeypatch.setattr(redis_link.time, "monotonic", lambda: later)
+    link.round([out("a", 3)], [], None, read=False)
+    assert r.ttl(key) <= OUTPUT_TTL_S, "due after TTL_REFRESH_S"
+    r.expire(key, 5000)
+    link.round([out("a", 4)], [], None, read=False)
+    assert r.ttl(key) > 4000
+    link.round([out("a", 5, finished=True)], [], None, read=False)
+    assert r.ttl(key) <= FINISHED_OUTPUT_TTL_S
+    assert r.xlen(key) == 5
+    # a held round (Redis restarted without the script): the next one sets the TTL
+    r.script_flush()
+    assert link.round([out("b", 1)], [], None, read=False).held
+    link.round([out("b", 2)], [], None, read=False)
+    assert 0 < r.ttl(link.keys.output("b")) <= OUTPUT_TTL_S
+    # Redis lost its data (the claim key with it): every stream written gets its TTL
+    r.delete(*r.keys(link.keys.prefix + ":*"))     # (this test's keys: the server is shared)
+    link.round([out("b", 3), out("c", 1)], [], None, read=False)
+    assert 0 < r.ttl(link.keys.output("b")) <= OUTPUT_TTL_S
+    assert 0 < r.ttl(link.keys.output("c")) <= OUTPUT_TTL_S
+    r.expire(link.keys.output("b"), 5000)
+    link.round([out("b", 4)], [], None, read=False)
+    assert 0 < r.ttl(link.keys.output("b")) <= OUTPUT_TTL_S, "set again after the loss"
