@@ -15,11 +15,14 @@ every token is exact: its arrival at the client minus the time the source handed
 Redis (one host, one clock).
 
     python loadtest/bench_frontend.py [--streams 256] [--rate 25600] [--tokens 200]
-        [--processes 1,2] [--baseline main] [--pin] [--json]
+        [--processes 1,2] [--baseline main] [--repeats 3] [--pin] [--json]
 
 --baseline REV runs the one-process case once more with the gateway of git revision REV
 (checked out in a temporary worktree; same source, same clients), for a before/after in
-one run. Figures and commands: docs/overhead.md.
+one run. --repeats R runs every case R times in turns (baseline, current, baseline, ...)
+and reports each case's medians (`medians` in the JSON; `runs` keeps every run): on a VM
+whose speed drifts, single runs of two trees are not comparable. Figures and commands:
+docs/overhead.md.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -375,6 +379,26 @@ def baseline_tree(rev: str) -> Path:
     return path
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (label, processes), in first-run order: each figure the median of that
+    case's runs (with one run each, the runs themselves)."""
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault((r["label"], r["processes"]), []).append(r)
+    out = []
+    for group in cases.values():
+        row = dict(group[0])
+        if len(group) > 1:
+            for key, value in row.items():
+                if isinstance(value, dict):
+                    row[key] = {k: statistics.median(g[key][k] for g in group) for k in value}
+                elif isinstance(value, (int, float)) and key != "processes":
+                    row[key] = statistics.median(g[key] for g in group)
+            row["repeats"] = len(group)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["bench", "source", "clients"], default="bench",
@@ -385,6 +409,9 @@ def main() -> None:
     ap.add_argument("--processes", default="1", help="comma-separated api-server counts")
     ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--baseline", default=None, help="git revision to run as the baseline")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every case this many times, in turns (the baseline alternating "
+                         "with the current tree), and report the medians")
     ap.add_argument("--skip-first", type=int, default=2,
                     help="tokens per stream left out of the latency (admission, not streaming)")
     ap.add_argument("--timeout", type=float, default=600)
@@ -406,14 +433,17 @@ def main() -> None:
         return run_clients(args)
     token_ids = single_char_tokens()
     rows = []
-    if args.baseline:
-        tree = baseline_tree(args.baseline)
-        try:
-            rows.append(measure(args, 1, tree, token_ids, "baseline"))
-        finally:
+    tree = baseline_tree(args.baseline) if args.baseline else None
+    try:
+        for _ in range(max(1, args.repeats)):
+            if tree is not None:
+                rows.append(measure(args, 1, tree, token_ids, "baseline"))
+            for n in [int(x) for x in args.processes.split(",")]:
+                rows.append(measure(args, n, REPO, token_ids, "current"))
+    finally:
+        if tree is not None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)])
-    for n in [int(x) for x in args.processes.split(",")]:
-        rows.append(measure(args, n, REPO, token_ids, "current"))
+    runs, rows = rows, medians(rows)
     current = [r for r in rows if r["label"] == "current"]
     one = next((r for r in current if r["processes"] == 1), current[0])
     out = {
@@ -423,7 +453,7 @@ def main() -> None:
         "added_ms_p50": one["added_ms_p50"], "added_ms_p99": one["added_ms_p99"],
         "one_core_capacity_tokens_per_s": round(1e6 / max(1e-9, one["cpu_us_per_token"]
                                                           ["gateway"])),
-        "runs": rows, "cpu_model": cpu(), "cores": os.cpu_count(), "pinned": args.pin,
+        "runs": runs, "cpu_model": cpu(), "cores": os.cpu_count(), "pinned": args.pin,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     base = next((r for r in rows if r["label"] == "baseline"), None)
@@ -432,6 +462,8 @@ def main() -> None:
                                                 "added_ms_p50", "added_ms_p99")}
         out["speedup_gateway_cpu"] = round(base["cpu_us_per_token"]["gateway"]
                                            / max(1e-9, one["cpu_us_per_token"]["gateway"]), 2)
+    if args.repeats > 1:
+        out["medians"] = rows
     if args.json:
         print(json.dumps(out))
         return

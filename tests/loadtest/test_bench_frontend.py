@@ -27,3 +27,24 @@ def test_bench_frontend_delivers_every_published_token_and_counts_each_process()
     assert set(out["cpu_us_per_token"]) == {"gateway", "redis", "source", "clients"}
     assert out["cpu_us_per_token"]["gateway"] > 0
     assert 0 <= out["added_ms_p50"] <= out["added_ms_p99"]
+
+
+def test_repeated_cases_are_reported_by_their_medians():
+    sys.path.insert(0, str(REPO))
+    from loadtest.bench_frontend import medians
+
+    def run(label, procs, gw, p99):
+        return {"label": label, "processes": procs, "tokens_per_s": 1000.0 * gw,
+                "cpu_us_per_token": {"gateway": gw, "redis": 2.0}, "added_ms_p99": p99}
+
+    rows = [run("baseline", 1, 30.0, 9.0), run("current", 1, 20.0, 5.0),
+            run("baseline", 1, 34.0, 30.0), run("current", 1, 26.0, 7.0),
+            run("baseline", 1, 31.0, 12.0), run("current", 1, 21.0, 50.0),
+            run("current", 2, 40.0, 8.0)]
+    base, one, two = medians(rows)
+    assert (base["label"], base["processes"], base["repeats"]) == ("baseline", 1, 3)
+    assert base["cpu_us_per_token"] == {"gateway": 31.0, "redis": 2.0}
+    assert base["added_ms_p99"] == 12.0 and base["tokens_per_s"] == 31000.0
+    assert (one["label"], one["processes"], one["cpu_us_per_token"]["gateway"],
+            one["added_ms_p99"]) == ("current", 1, 21.0, 7.0)
+    assert two == rows[-1], "a case run once is reported as it ran"
