@@ -12,9 +12,9 @@ never read by a position that depends on what was asked. Key names: shared/redis
 
 An output stream's TTL (OUTPUT_TTL_S after its last write) is set by a request's first
 output in this process, then again only once TTL_REFRESH_S has passed since (and to
-FINISHED_OUTPUT_TTL_S by its last output): an EXPIRE per token was almost half of what the
-script cost Redis. A stream therefore lives at least OUTPUT_TTL_S - TTL_REFRESH_S after
-its last write. A round that fails sets no TTL and records none; a round that finds Redis
+FINISHED_OUTPUT_TTL_S by its last output): an EXPIRE costs Redis about as much as the
+XADD it would follow (docs/overhead.md). A stream therefore lives at least
+OUTPUT_TTL_S - TTL_REFRESH_S after its last write. A round that fails sets no TTL and records none; a round that finds Redis
 without its data (the claim key gone) sets the TTL of every stream it writes.
 
 One writer per output stream: a scheduler that takes over another's pending requests first
