@@ -14,8 +14,9 @@ An output stream's TTL (OUTPUT_TTL_S after its last write) is set by a request's
 output in this process, then again only once TTL_REFRESH_S has passed since (and to
 FINISHED_OUTPUT_TTL_S by its last output): an EXPIRE costs Redis about as much as the
 XADD it would follow (docs/overhead.md). A stream therefore lives at least
-OUTPUT_TTL_S - TTL_REFRESH_S after its last write. A round that fails sets no TTL and records none; a round that finds Redis
-without its data (the claim key gone) sets the TTL of every stream it writes.
+OUTPUT_TTL_S - TTL_REFRESH_S after its last write. A round that fails sets no TTL and
+records none; a round that finds Redis without its data (the claim key gone) sets the TTL
+of every stream it writes.
 
 One writer per output stream: a scheduler that takes over another's pending requests first
 marks the other's claim key taken, and every publication checks, in the same script that
