@@ -222,18 +222,15 @@ def pick_fp32_gemm(weights: list[torch.Tensor]) -> str | None:
 
 
 # The engine's GEMM is kept unless another times this much faster: closer than that, the
-# timing at start does not tell them apart (on the Zen 5 in fp32 the two were 0-10 % apart
-# either way from start to start), and end to end the engine's was the faster there (600
-# against 529-543 output tok/s in bench_llamacpp, PAGEDSERVE_CPU_GEMM=engine|onednn): its
-# epilogues save passes and oneDNN builds a primitive per new row count, which the timing
-# of one product per size does not see.
+# timing at start does not tell them apart from one start to the next, while end to end the
+# engine's saves what one product per size does not time (its epilogues' passes; oneDNN
+# builds a primitive per new row count). Measured: docs/executor.md, "The CPU path".
 ENGINE_MARGIN = 1.05
 
 
 def fastest(gemms: list[str], weights: list[torch.Tensor], what: str) -> str:
     """The one of `gemms` with the lowest time per row summed over `weights` (the first
-    layer's projections: which GEMM wins can change with the shape, and the largest alone
-    gave a tie on SmolLM2 in bf16 where the four together do not) and over two sizes, 64
+    layer's projections: which GEMM wins can change with the shape) and over two sizes, 64
     and 512 rows, those of decode and prefill steps, with each weight coming from memory,
     on this process's threads (about a second at start); the engine's within
     ENGINE_MARGIN of it."""

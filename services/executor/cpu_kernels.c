@@ -645,6 +645,18 @@ enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
  * (the product; then the sum with y; or gate and up, silu(gate), and the product, as
  * silu_and_mul_bf16). While the tile runs, 64-byte lines [0, nlines) of `pf` are
  * prefetched, `per` every `every` k-steps. */
+/* One k-step of a tile's prefetching: every `every` steps the next `per` of the 64-byte
+ * lines [0, nlines) of `pf` (a countdown: no division in the k loop). */
+static inline __attribute__((always_inline)) void
+prefetch_step(const char *pf, int64_t every, int64_t per, int64_t nlines, int64_t *wait,
+              int64_t *line) {
+    if (--*wait <= 0) {
+        *wait = every;
+        for (int64_t e = *line + per; *line < e && *line < nlines; ++*line)
+            _mm_prefetch(pf + *line * 64, _MM_HINT_T1);
+    }
+}
+
 static inline __attribute__((always_inline)) void
 gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
                const float *bias, vmask_t m0, vmask_t m1, int64_t ncols, void *y, int64_t ldy,
@@ -664,11 +676,7 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
         for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
             __m512bh w0 = (__m512bh)_mm512_load_si512(wp + kk * 2 * GEMM_NR);
             __m512bh w1 = (__m512bh)_mm512_load_si512(wp + kk * 2 * GEMM_NR + 2 * GEMM_VW);
-            if (--wait <= 0) {
-                wait = every;
-                for (int64_t e = line + per; line < e && line < nlines; line++)
-                    _mm_prefetch(pf + line * 64, _MM_HINT_T1);
-            }
+            prefetch_step(pf, every, per, nlines, &wait, &line);
             for (int r = 0; r < mr; r++) {
                 __m512bh a = (__m512bh)_mm512_set1_epi32(x2[kk * mr + r]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
@@ -680,11 +688,7 @@ gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
     for (int64_t kk = 0, wait = 0, line = 0; kk < k; kk++) {
         vec_t w0 = load_vec(panel, kk * GEMM_NR, bf);
         vec_t w1 = load_vec(panel, kk * GEMM_NR + GEMM_VW, bf);
-        if (--wait <= 0) {                 /* a countdown: no division in this loop */
-            wait = every;
-            for (int64_t e = line + per; line < e && line < nlines; line++)
-                _mm_prefetch(pf + line * 64, _MM_HINT_T1);
-        }
+        prefetch_step(pf, every, per, nlines, &wait, &line);
         for (int r = 0; r < mr; r++) {
             vec_t a = V_SET1(xt[kk * mr + r]);
             acc[r][0] = V_FMA(a, w0, acc[r][0]);
