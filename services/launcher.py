@@ -264,7 +264,7 @@ def redis_too_old(url: str) -> str | None:
 
 # What the executor's OpenMP runs with unless the environment says otherwise: sleep after
 # GOMP_SPINCOUNT spin iterations of libgomp (see executor_openmp_defaults).
-EXECUTOR_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+EXECUTOR_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
 def executor_openmp_defaults() -> None:
@@ -275,10 +275,13 @@ def executor_openmp_defaults() -> None:
     gateway, Redis, other ranks) and then every parallel region waits for the descheduled
     one: with one busy neighbour on a 2-core host, spinning decoded at 0.54x of waiting
     passively. Threads that go to sleep at once pay a wake-up at every parallel region
-    instead (hundreds per step), which on a VM cost a third of the batch-8 decode. So they
-    spin briefly (GOMP_SPINCOUNT iterations, about 10 µs), then sleep: a step's regions
-    follow each other faster than that, the gaps between steps do not (docs/overhead.md,
-    the OpenMP wait policy). GOMP_SPINCOUNT=0 in the environment: sleep at once."""
+    instead (about 300 a decode step; 30-50 µs each on a VM), which cost a third of the
+    batch-8 decode. So they spin for a while (GOMP_SPINCOUNT iterations of about 10 ns,
+    10,000: ~0.1 ms), then sleep: Python between a step's regions takes tens of µs, the
+    gaps between steps longer. 1,000 spins was too short for those gaps on an Intel Xeon
+    (the stack at 0.87x), while on a 2-core host with another busy process the longer
+    spin costs the executor 0.6-0.8x (docs/overhead.md, the OpenMP wait policy).
+    GOMP_SPINCOUNT=1000 in the environment spins briefly, 0 sleeps at once."""
     for name, value in EXECUTOR_OPENMP.items():
         os.environ.setdefault(name, value)
 

@@ -188,3 +188,17 @@ def test_the_redis_password_comes_from_the_environment_into_the_url(monkeypatch)
     assert with_password("redis://:other@redis:6379/0") == "redis://:other@redis:6379/0"
     monkeypatch.delenv("PAGEDSERVE_REDIS_PASSWORD")
     assert with_password("redis://redis:6379/0") == "redis://redis:6379/0"
+
+
+@pytest.mark.parametrize("given, expected", [({}, "PASSIVE 10000"),
+                                             ({"GOMP_SPINCOUNT": "1000"}, "PASSIVE 1000"),
+                                             ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE 10000")])
+def test_the_executors_openmp_spin_is_documented_default_unless_the_environment_sets_it(
+        given, expected):
+    # (docs/overhead.md: 10,000 spins before sleeping; a shared host sets fewer)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import os; from services.launcher import executor_openmp_defaults as d; d(); "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, **given},
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == expected, done.stderr
