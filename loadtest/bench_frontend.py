@@ -317,6 +317,12 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         procs += clients
         for c in clients:
             c.wait(timeout=args.timeout)
+        refused = [e for f in cli_outs if f.exists()
+                   for e in json.loads(f.read_text())["streams"].get("_errors", [])]
+        if refused:     # the source waits for every stream to end: those never reach it
+            raise SystemExit(f"bench_frontend: the gateway refused {len(refused)} of "
+                             f"{args.streams} streams ({refused[0].splitlines()[0][:200]}); "
+                             f"--tokens {args.tokens} may be over the model's length")
         src.wait(timeout=30)
         cpu = {k: sum(map(cpu_seconds, v)) - cpu0[k] for k, v in watched.items()}
         ticks = [tuple(b - a for a, b in zip(t0_, user_system_ticks(p)))

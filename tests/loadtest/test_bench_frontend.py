@@ -48,3 +48,15 @@ def test_repeated_cases_are_reported_by_their_medians():
     assert (one["label"], one["processes"], one["cpu_us_per_token"]["gateway"],
             one["added_ms_p99"]) == ("current", 1, 21.0, 7.0)
     assert two == rows[-1], "a case run once is reported as it ran"
+
+
+def test_streams_the_gateway_refuses_end_the_run_in_one_line_not_a_wait():
+    # max_tokens over the model's length: every request is refused with a 400, and the
+    # token source, which waits for every stream to end, would wait for ever
+    proc = subprocess.run(
+        [sys.executable, "loadtest/bench_frontend.py", "--streams", "2", "--rate", "200",
+         "--tokens", "100000", "--processes", "1", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "the gateway refused 2 of 2 streams (HTTP 400" in proc.stderr
