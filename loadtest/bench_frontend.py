@@ -317,8 +317,8 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         procs += clients
         for c in clients:
             c.wait(timeout=args.timeout)
-        refused = [e for f in cli_outs if f.exists()
-                   for e in json.loads(f.read_text())["streams"].get("_errors", [])]
+        parts = [json.loads(f.read_text()) for f in cli_outs]
+        refused = [e for part in parts for e in part["streams"].get("_errors", [])]
         if refused:     # the source waits for every stream to end: those never reach it
             raise SystemExit(f"bench_frontend: the gateway refused {len(refused)} of "
                              f"{args.streams} streams ({refused[0].splitlines()[0][:200]}); "
@@ -332,8 +332,7 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         published, cpu["source"] = source["published"], source["cpu_s"]
         got: dict = {}
         cpu["clients"] = 0.0
-        for p in cli_outs:
-            part = json.loads(p.read_text())
+        for part in parts:
             got.update(part["streams"])
             cpu["clients"] += part["cpu_s"]
     finally:

@@ -637,14 +637,6 @@ void pack_linear_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int glu, u
 
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GLU = 2 };
 
-/* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:NR] = r (EPI_STORE),
- * y += r (EPI_ADD), or y[0:mr, 0:VW] = silu(r[:, :VW]) * r[:, VW:] (EPI_GLU), masked to
- * the `ncols` valid columns (m0, m1 as lane masks). `mr` and `bf` are constants in each
- * copy made by gemm_tile, so acc lives in registers. With bf = 1 the panel and y are bf16:
- * the sums are fp32 and every value is rounded to bf16 where torch's bf16 ops round it
- * (the product; then the sum with y; or gate and up, silu(gate), and the product, as
- * silu_and_mul_bf16). While the tile runs, 64-byte lines [0, nlines) of `pf` are
- * prefetched, `per` every `every` k-steps. */
 /* One k-step of a tile's prefetching: every `every` steps the next `per` of the 64-byte
  * lines [0, nlines) of `pf` (a countdown: no division in the k loop). */
 static inline __attribute__((always_inline)) void
@@ -657,6 +649,14 @@ prefetch_step(const char *pf, int64_t every, int64_t per, int64_t nlines, int64_
     }
 }
 
+/* One tile: r = x[0:mr, :] . panel + bias, then by `epi`: y[0:mr, 0:NR] = r (EPI_STORE),
+ * y += r (EPI_ADD), or y[0:mr, 0:VW] = silu(r[:, :VW]) * r[:, VW:] (EPI_GLU), masked to
+ * the `ncols` valid columns (m0, m1 as lane masks). `mr` and `bf` are constants in each
+ * copy made by gemm_tile, so acc lives in registers. With bf = 1 the panel and y are bf16:
+ * the sums are fp32 and every value is rounded to bf16 where torch's bf16 ops round it
+ * (the product; then the sum with y; or gate and up, silu(gate), and the product, as
+ * silu_and_mul_bf16). While the tile runs, 64-byte lines [0, nlines) of `pf` are
+ * prefetched, `per` every `every` k-steps. */
 static inline __attribute__((always_inline)) void
 gemm_tile_impl(const int mr, const float *xt, const void *panel, int64_t k,
                const float *bias, vmask_t m0, vmask_t m1, int64_t ncols, void *y, int64_t ldy,
