@@ -49,15 +49,20 @@ def make_inputs(dtype: torch.dtype, args):
     return pools, tables, lens, q
 
 
-def step_ms(lib: ctypes.CDLL, inputs, args, reps: int) -> float:
+def step_ms(lib: ctypes.CDLL, inputs, args, reps: int, baseline: bool = False) -> float:
     """ms per decode step of `lib`'s kernel (decode_attention reads the module's library,
-    swapped in for the measurement)."""
+    swapped in for the measurement). A baseline gets the query multiplied by the scale in
+    torch and a scale of 1: the kernels of revisions before the scale was an argument
+    expect it so (and ignore the scale and row-stride arguments they do not declare)."""
     pools, tables, lens, q = inputs
     scale = args.head_dim ** -0.5
 
     def step():
         for k, v in pools:
-            cpu_kernels.decode_attention(q, k, v, tables, lens, args.context, scale)
+            if baseline:
+                cpu_kernels.decode_attention(q * scale, k, v, tables, lens, args.context, 1.0)
+            else:
+                cpu_kernels.decode_attention(q, k, v, tables, lens, args.context, scale)
 
     saved, cpu_kernels._lib = cpu_kernels._lib, lib
     try:
@@ -72,7 +77,8 @@ def step_ms(lib: ctypes.CDLL, inputs, args, reps: int) -> float:
 
 def build_baseline(rev: str, tmp: Path) -> ctypes.CDLL:
     """REV's cpu_kernels.c compiled and linked as cpu_kernels.py does, with the current
-    library's ctypes signatures (the decode kernel's arguments are the same)."""
+    library's ctypes signatures (trailing arguments a revision does not declare are
+    ignored by its kernel: in the x86-64 and arm64 C calling conventions the caller removes them)."""
     repo = Path(__file__).resolve().parents[1]
     src = tmp / "cpu_kernels.c"
     src.write_bytes(subprocess.run(["git", "show", f"{rev}:services/executor/cpu_kernels.c"],
@@ -118,7 +124,8 @@ def main() -> None:
                     if which is lib:
                         ms[name].append(step_ms(lib, inputs, args, args.reps))
                     elif which is not None:
-                        base_ms[name].append(step_ms(base, inputs, args, args.reps))
+                        base_ms[name].append(step_ms(base, inputs, args, args.reps,
+                                                     baseline=True))
                 del inputs
     tokens = args.layers * args.batch * args.context
     row = args.kv_heads * args.head_dim * 2           # K and V elements per token and layer

@@ -154,8 +154,12 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
     v_flat = v_cache.view(nb, -1)
     nd = meta.num_decode
     if nd and meta.decode_tables is not None:
-        out[:nd] = cpu_kernels.decode_attention(query[:nd], k_cache, v_cache, meta.decode_tables,
-                                                meta.decode_lens, meta.decode_max_len, scale)
+        # an fp32 query: the kernel writes its rows of `out` itself (no copy)
+        direct = out[:nd] if out.dtype == torch.float32 else None
+        o = cpu_kernels.decode_attention(query[:nd], k_cache, v_cache, meta.decode_tables,
+                                         meta.decode_lens, meta.decode_max_len, scale, out=direct)
+        if direct is None:
+            out[:nd] = o
     elif nd:
         # [nd, max_ctx, Hkv, D] -> [nd, Hkv, max_ctx, D] as a view (SDPA takes strides).
         k = k_flat.index_select(0, meta.decode_block_ids).to(query.dtype).view(

@@ -71,7 +71,7 @@ static inline vmask_t lanes(int64_t n) {              /* the first n of 8 lanes 
 /* ------------------------------------------------------------ paged decode attention
  *
  * Layouts (kernels/reference.py):
- *   q          [B, Hq, D]                       fp32, contiguous, multiplied by the scale
+ *   q          [B, Hq, D]                       fp32, unscaled, rows q_ld apart (below)
  *   k/v cache  [num_blocks, block_size, Hkv, D] fp32 or bf16 (dtype_bf16 = 1)
  *   tables     [B, max_blocks]                  int32 physical block ids
  *   lens       [B]                              int32 context length (with this token)
@@ -317,17 +317,23 @@ static void attend(const float *q, const void *kc, const void *vc, int bf16,
 #undef ATTEND
 }
 
-/* Returns 0, or -1 when a dimension exceeds the fixed buffers (the caller falls back). */
+/* q is taken unscaled, its rows `q_ld` floats apart (a view of the QKV projection's
+ * rows): each sequence's row is multiplied by `scale` here (the same fp32 products as a
+ * separate pass over [B, Hq, D] would make, without that pass, its copy and its parallel
+ * region). Returns 0, or -1 when a dimension exceeds the fixed buffers (the caller falls
+ * back). */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                            int dtype_bf16, const int32_t *tables, int64_t max_blocks,
                            const int32_t *lens, float *out, int64_t B, int64_t hq, int64_t hkv,
                            int64_t d, int64_t bs, float *scratch, int64_t max_len,
-                           int num_threads) {
+                           int num_threads, float scale, int64_t q_ld) {
     if (hq * d > MAX_ROW || hq > MAX_HEADS || hq % hkv) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < B; b++) {
         float *sc = scratch + (int64_t)omp_get_thread_num() * hq * max_len;
-        attend(q + b * hq * d, k_cache, v_cache, dtype_bf16, tables + b * max_blocks, lens[b],
+        float qs[MAX_ROW];
+        for (int64_t i = 0; i < hq * d; i++) qs[i] = q[b * q_ld + i] * scale;
+        attend(qs, k_cache, v_cache, dtype_bf16, tables + b * max_blocks, lens[b],
                bs, hq, hkv, d, sc, max_len, out + b * hq * d);
     }
     return 0;

@@ -70,7 +70,7 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.paged_decode_attention.argtypes = [p, p, p, i32, p, i64, p, p, i64, i64, i64, i64, i64,
-                                           p, i64, i32]
+                                           p, i64, i32, f32, i64]
     lib.paged_decode_attention.restype = i32
     lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.add_rms_norm.restype = None
@@ -113,22 +113,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, max_len: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query row per sequence over its paged context: [B, Hq, D] fp32.
 
-    tables [B, max_blocks] int32 contiguous, lens [B] int32; caches fp32 or bf16."""
+    tables [B, max_blocks] int32 contiguous, lens [B] int32; caches fp32 or bf16. out: an
+    fp32 contiguous [B, Hq, D] to write into (else a new tensor)."""
     if k_cache.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the CPU decode kernel reads fp32 or bf16 caches, not {k_cache.dtype}")
     nd, hq, d = query.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    q = (query.float() * scale).contiguous()
-    out = torch.empty(nd, hq, d, dtype=torch.float32)
+    q = query.float()
+    if q.stride(2) != 1 or q.stride(1) != d:   # (rows apart are read as they are)
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(nd, hq, d, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (nd, hq, d) or not out.is_contiguous():
+        raise ValueError("out must be a contiguous fp32 [B, Hq, D]")
     threads = torch.get_num_threads()
     scratch = torch.empty(threads * hq * max_len, dtype=torch.float32)
     rc = kernels().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), nd, hq, hkv, d, bs,
-        scratch.data_ptr(), max_len, threads)
+        scratch.data_ptr(), max_len, threads, scale, q.stride(0))
     if rc != 0:
         raise ValueError(f"{hq} heads of {d} exceed the CPU decode kernel (at most 256 heads "
                          "and 16384 floats per token): set PAGEDSERVE_CPU_KERNELS=torch")

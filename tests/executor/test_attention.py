@@ -135,3 +135,35 @@ def test_c_decode_kernel_matches_torch(cache_dtype, tol, hq, hkv, d, bs):
     out = cpu_kernels.decode_attention(q, kc, vc, tables, lens, max_len, scale)
     ref = _torch_decode(q, kc, vc, tables, lens, scale)
     assert (out - ref).abs().max() < tol
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_c_decode_kernel_reads_qkv_rows_and_writes_into_out():
+    """The query as the model passes it, a view of the QKV projection's rows (rows apart
+    by (Hq + 2 Hkv) D), with `out` the first rows of the layer's output: the same values,
+    bit for bit, as a contiguous copy of the query into a new tensor, and `out` is the
+    tensor written (no copy)."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, bs = 9, 3, 64, 16
+    lens = torch.tensor([3, 40, 17], dtype=torch.int32)
+    per_seq = -(-int(lens.max()) // bs)
+    kc = torch.randn(len(lens) * per_seq, bs, hkv, d, generator=g)
+    vc = torch.randn(len(lens) * per_seq, bs, hkv, d, generator=g)
+    tables = torch.arange(len(lens) * per_seq, dtype=torch.int32).view(len(lens), per_seq)
+    qkv = torch.randn(len(lens) + 2, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[:, :hq * d].view(-1, hq, d)[:len(lens)]
+    assert not q.is_contiguous()
+    scale = d ** -0.5
+    out = torch.full((len(lens) + 2, hq, d), 7.0)
+    got = cpu_kernels.decode_attention(q, kc, vc, tables, lens, int(lens.max()), scale,
+                                       out=out[:len(lens)])
+    assert got.data_ptr() == out.data_ptr()
+    want = cpu_kernels.decode_attention(q.contiguous(), kc, vc, tables, lens, int(lens.max()),
+                                        scale)
+    assert torch.equal(out[:len(lens)], want)
+    assert (out[len(lens):] == 7.0).all()              # rows past the decode rows untouched
+    ref = _torch_decode(q, kc, vc, tables, lens, scale)
+    assert (want - ref).abs().max() < 2e-5
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_kernels.decode_attention(q, kc, vc, tables, lens, int(lens.max()), scale,
+                                     out=torch.empty(len(lens), hq, d, dtype=torch.bfloat16))
