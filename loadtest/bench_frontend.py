@@ -127,8 +127,14 @@ def run_source(args) -> None:
         def outgoing(out):
             return out
     from shared.redis_keys import RedisKeys
+    try:        # a tree whose scheduler packs its commands with shared.redis_packing
+        from shared.redis_packing import packer
+        client_options = {"command_packer": packer()}
+    except ImportError:
+        client_options = {}
 
-    link = RedisLink(redis.Redis.from_url(args.redis_url), RedisKeys(PREFIX), "bench-source")
+    link = RedisLink(redis.Redis.from_url(args.redis_url, **client_options), RedisKeys(PREFIX),
+                     "bench-source")
     link.ensure_group()
     ids = [int(x) for x in args.token_ids.split(",")]
     step_s = args.step_ms / 1000

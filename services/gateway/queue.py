@@ -20,7 +20,6 @@ import logging
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import ResponseError
@@ -29,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.messages import AbortRequest, GenerationRequest, RequestOutput, StreamHeader
 from shared.redis_keys import (ABORTS_MAXLEN, CONSUMER_GROUP, HEADER_FIELD, MSG_FIELD,
                                OUTPUT_TTL_S, RedisKeys)
+from shared.redis_packing import packer
 from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("pagedserve.gateway")
@@ -37,25 +37,22 @@ READERS_SUFFIX = ":readers"
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-class _HiredisPacking:
-    """Mixed into the pool's connection class: commands packed by hiredis in C (redis-py's
-    own serializer for its blocking client). The asyncio client packs every argument in
-    Python, and the follower's XREAD names two per followed stream on every read
+class _CPacking:
+    """Mixed into the pool's connection class: commands packed in C (shared.redis_packing).
+    The follower's XREAD names two arguments per followed stream on every read
     (docs/overhead.md)."""
 
-    _packer = HiredisRespSerializer()
+    _packer = packer()
 
     def pack_command(self, *args):
         return self._packer.pack(*args)
 
 
 def _packing_in_c(pool: aioredis.ConnectionPool) -> None:
-    try:
-        import hiredis  # noqa: F401  (redis[hiredis]; without it, redis-py's packer)
-    except ImportError:
+    if _CPacking._packer is None:    # no hiredis: redis-py's packer
         return
     base = pool.connection_class
-    pool.connection_class = type(base.__name__, (_HiredisPacking, base), {})
+    pool.connection_class = type(base.__name__, (_CPacking, base), {})
 
 
 class QueueUnavailable(RuntimeError):

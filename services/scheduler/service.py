@@ -48,6 +48,7 @@ from shared.control import ExecutorClient, owner_identity
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
+from shared.redis_packing import packer
 from shared.wire import encode, oversized
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -104,7 +105,8 @@ class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         self.link = RedisLink(redis.Redis.from_url(config.redis_url, socket_timeout=10,
-                                                   socket_connect_timeout=5),
+                                                   socket_connect_timeout=5,
+                                                   command_packer=packer()),
                               RedisKeys(config.redis_prefix), config.name)
         self.executor = ExecutorClient(config.executor)
         self.executors = ExecutorLink()
