@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import timeit
@@ -26,17 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis._parsers.encoders import Encoder  # noqa: E402
 from redis.connection import HiredisRespSerializer, PythonRespSerializer  # noqa: E402
 
+from loadtest.docgen import cpu  # noqa: E402
 from shared.redis_packing import CommandPacker  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def commands(n: int) -> dict[str, tuple]:
@@ -63,7 +52,7 @@ def main() -> None:
                                                          enc),
               "gateway_xread": HiredisRespSerializer()}
     after = CommandPacker()
-    out: dict = {"outputs": args.outputs, "cpu": f"{cpu_model()}, {os.cpu_count()} cores"}
+    out: dict = {"outputs": args.outputs, "cpu": cpu()}
     for name, cmd in commands(args.outputs).items():
         if b"".join(before[name].pack(*cmd)) != b"".join(after.pack(*cmd)):
             sys.exit(f"bench_redis_packing: the two packers disagree on {name}")
