@@ -108,7 +108,8 @@ _EXECUTOR = [
      "GPU decode steps of up to this many sequences replay a CUDA graph (0: eager)"),
     ("--seed", "PAGEDSERVE_SEED", 0, int, "default sampling seed"),
     ("--num-threads", "PAGEDSERVE_NUM_THREADS", 0, int,
-     "CPU threads per executor rank (0: the cores shared out over the ranks)"),
+     "CPU threads per executor rank (0: the cores shared out over the ranks and over "
+     "the other executors busy on this host)"),
     ("--tensor-parallel-size", "PAGEDSERVE_TENSOR_PARALLEL_SIZE", 1, int,
      "executor ranks that split the model (tensor parallelism, one host)"),
     ("--rank", "PAGEDSERVE_RANK", None, int,

@@ -122,6 +122,20 @@ class ExecutorServer:
         # fenced owner's plan on its own socket).
         self.owner, self.fence, self.owner_seen = "", 0, 0.0
         self.owners: dict[int, str] = {}
+        # On the CPU: registered with the host's other executors; with the automatic thread
+        # count and one rank, its threads are the cores shared out over the busy ones.
+        self.host_share = None
+        self.adapt_threads = False
+        if getattr(getattr(self.runner, "device", None), "type", None) == "cpu":
+            import torch
+
+            from services.executor.host_share import HostShare
+            try:
+                self.host_share = HostShare(torch.get_num_threads())
+            except OSError as exc:
+                log.warning("not sharing the cores with other executors: %s", exc)
+            self.adapt_threads = (config.runner.num_threads == 0
+                                  and config.tensor_parallel_size == 1)
         # Rank 0 reaches the other ranks' control servers (on this host).
         self.peers = []
         if config.rank == 0:
@@ -215,6 +229,8 @@ class ExecutorServer:
                 if not poller.poll(200):
                     continue
                 t0 = time.perf_counter()
+                if self.host_share is not None:
+                    self._share_cores()
                 to, reply = self._execute(plans.recv())
                 if results is not None and reply is not None:
                     self._send_result(results, to, reply)
@@ -226,10 +242,23 @@ class ExecutorServer:
                     self.stop()
         finally:
             plans.close()
+            if self.host_share is not None:
+                self.host_share.close()
             if results is not None:
                 results.close()
             if self._grpc is not None:
                 self._grpc.stop(grace=0.5)
+
+    def _share_cores(self) -> None:
+        """Mark this executor busy; with the automatic thread count, run as many threads as
+        the host's busy executors leave it (on this thread: it runs the forward)."""
+        threads = self.host_share.share()
+        if self.adapt_threads:
+            import torch
+            if torch.get_num_threads() != threads:
+                log.debug("%d threads: %d other executors busy on this host", threads,
+                          self.host_share.peers)
+                torch.set_num_threads(threads)
 
     def _send_result(self, sock, to: bytes, reply: bytes) -> None:
         """To the owner `to` only. Its socket may still be connecting (a plan can overtake
