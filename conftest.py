@@ -7,6 +7,17 @@ checks them.
 """
 import os
 
+# The suite runs two workers side by side (Makefile: pytest -n 2), each starting stacks and
+# in-process runners on the same few cores. OpenMP threads that spin at a barrier (the
+# executor's default, launcher.executor_openmp_defaults, and libgomp's own) lose their
+# cores to the other worker's busy threads in the middle of each parallel region: on two
+# cores the two slowest stack tests ran 2-4x longer side by side than with threads that
+# sleep at once (docs/overhead.md, "Two executors on one host"). So every process of the
+# suite sleeps at once; results do not depend on it, and the default itself is checked by
+# tests/test_launcher.py, which clears these. Set before torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "0")
+
 try:
     import torch
     _cuda = torch.cuda.is_available()
