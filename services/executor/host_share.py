@@ -56,11 +56,16 @@ class HostShare:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self.cpus = _cpus()
         # (the pid alone could clash: processes of other PID namespaces may share the folder)
-        self.path = os.path.join(self.folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path = os.path.join(self.folder, name)
+        # Made under a hidden name and renamed once locked: a reader must never find the
+        # entry unlocked, and take it for a dead process's.
+        hidden = os.path.join(self.folder, "." + name)
+        self._fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(self._fd, ",".join(map(str, sorted(self.cpus))).encode())
         os.utime(self._fd, (0, 0))          # idle until its first step
+        os.rename(hidden, self.path)
         self._checked = self._marked = float("-inf")
         self.threads = self.base
         self.peers = 0                      # busy executors beside this one, last read
@@ -90,7 +95,7 @@ class HostShare:
             return 0
         for name in names:
             path = os.path.join(self.folder, name)
-            if path == self.path:
+            if path == self.path or name.startswith("."):
                 continue
             try:
                 fd = os.open(path, os.O_RDONLY)

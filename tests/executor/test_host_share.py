@@ -159,3 +159,17 @@ def test_a_fixed_thread_count_is_kept(tmp_path, peers):
     finally:
         server.host_share.close()
         torch.set_num_threads(before)
+
+
+def test_an_entry_still_being_made_is_neither_counted_nor_removed(tmp_path):
+    # (an executor makes its entry under a hidden name and renames it once it holds the
+    # lock: until then it is unlocked, and must not be taken for a dead process's)
+    making = tmp_path / ".4242-0000abcd"
+    making.write_text("0")
+    me = HostShare(2, str(tmp_path))
+    try:
+        assert _fresh(me) == 2 and making.exists()
+        assert sorted(os.listdir(tmp_path)) == sorted([making.name,
+                                                       os.path.basename(me.path)])
+    finally:
+        me.close()
