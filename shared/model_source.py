@@ -15,6 +15,7 @@ The tokenizer is cached here (no torch needed); the executor adds the weights.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,15 +89,34 @@ def tokenizer_dir(name: str | None = None) -> Path:
         return cache
 
 
+# tokenizer_config.json's classes that are the generic fast tokenizer (tokenizer.json alone)
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_folder(folder: Path):
+    """AutoTokenizer.from_pretrained(folder), without its detour where the folder names the
+    generic fast tokenizer: AutoTokenizer also reads the model's config, whose class
+    imports torch (5 s of a gateway's start on a small CPU, and torch in a process that
+    never uses it); the class it would pick is built directly instead."""
+    try:
+        cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer (with its chat template); cached beside the weights after first use."""
-    from transformers import AutoTokenizer
-
     if source.hf_dir is not None:
-        return AutoTokenizer.from_pretrained(source.hf_dir)
+        return _from_folder(source.hf_dir)
     cache = source.cache_dir
     if (cache / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
+        return _from_folder(cache)
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(source.gguf_file.parent, gguf_file=source.gguf_file.name)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + f".tok-{os.getpid()}")

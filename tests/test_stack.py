@@ -234,3 +234,29 @@ def _settled(stack, name: str) -> float:
             return now
         value = now
     return value
+
+
+def _service_pid(stack, service: str) -> int:
+    """The pid of `service` ("gateway", ...) of this stack (its command line names the
+    stack's HTTP port or Redis)."""
+    import os
+    port = str(stack.ports["http"])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "services.launcher" in argv and argv[argv.index("services.launcher") + 1:][:1] \
+                == [service] and port in argv:
+            return int(pid)
+    raise AssertionError(f"no {service} process of the stack on port {port}")
+
+
+def test_the_gateway_process_never_loads_torch(stack):
+    # (the wall: the gateway serves from its tokenizer and Redis; torch there would only add
+    # start-up seconds and a few hundred MiB per gateway process)
+    pid = _service_pid(stack, "gateway")
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read()
+    assert "libtorch" not in maps and "libc10" not in maps
