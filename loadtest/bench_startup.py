@@ -1,0 +1,138 @@
+"""How long `pagedserve serve` takes to be healthy, and what each service holds once it is.
+
+Each start is `python -m services.launcher serve` as a user runs it (its own private
+Redis, free ports, the bundled model unless --model), timed from the spawn to the first
+200 of `/health`; then each service's resident memory (VmRSS) and whether torch is mapped
+in it are read from /proc, and the stack is stopped.
+
+    python loadtest/bench_startup.py [--rounds 4] [--baseline REV] [--json]
+
+--baseline REV starts the code of git revision REV (a temporary worktree) in turn with the
+checkout, --rounds times each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadtest import docgen  # noqa: E402
+from services.launcher import free_port  # noqa: E402
+
+SERVICES = ("executor", "scheduler", "gateway")
+
+
+def services_of() -> dict[str, list[int]]:
+    """service name -> pids of every pagedserve service process on the host (the caller
+    keeps those that were not there before its start: run it on an otherwise quiet host)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "services.launcher" in argv:
+            role = argv[argv.index("services.launcher") + 1:][:1]
+            if role and role[0] in SERVICES:
+                found.setdefault(role[0], []).append(int(pid))
+    return found
+
+
+def memory(pid: int) -> dict:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return {}
+    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+    return {"rss_mib": round(rss / 1024, 1), "torch": "libtorch" in maps}
+
+
+def one_start(tree: Path, model: str | None) -> dict:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    argv = [sys.executable, "-m", "services.launcher", "serve", "--port", str(port),
+            "--log-level", "warning"] + (["--model", model] if model else [])
+    before = set(map(int, filter(str.isdigit, os.listdir("/proc"))))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=tree, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"serve exited with {proc.returncode}: "
+                                 f"{proc.stderr.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                time.sleep(0.05)
+            if time.monotonic() - t0 > 600:
+                raise SystemExit("serve was not healthy after 600 s")
+        healthy_s = time.monotonic() - t0
+        mem = {}
+        for name, pids in services_of().items():
+            new = [p for p in pids if p not in before]      # this stack's, not another's
+            if new:
+                mem[name] = memory(new[0])
+        return {"healthy_s": round(healthy_s, 2), "services": mem}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--baseline", default=None, help="git revision to start in turn")
+    ap.add_argument("--model", default=None, help="--model of serve (default: the bundled one)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    base = None
+    if args.baseline:
+        base = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
+                        str(base), args.baseline], check=True)
+    runs = []
+    try:
+        for r in range(args.rounds):
+            trees = [(REPO, docgen.commit())] + ([(base, args.baseline)] if base else [])
+            for tree, label in (trees if r % 2 == 0 else trees[::-1]):
+                row = {"label": label, **one_start(tree, args.model)}
+                runs.append(row)
+                if not args.json:
+                    mem = ", ".join(f"{k} {v['rss_mib']} MiB" + (" (torch)" if v["torch"]
+                                                                   else "")
+                                    for k, v in sorted(row["services"].items()))
+                    print(f"{label}: healthy after {row['healthy_s']} s; {mem}", flush=True)
+    finally:
+        if base is not None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                            str(base)], check=False)
+            shutil.rmtree(base.parent, ignore_errors=True)
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    medians = {lab: round(statistics.median(r["healthy_s"] for r in runs
+                                            if r["label"] == lab), 2) for lab in labels}
+    out = {"cpu": docgen.cpu(), "runs": runs, "healthy_s_median": medians}
+    print(json.dumps(out, indent=2) if args.json else
+          "medians: " + ", ".join(f"{k} {v} s" for k, v in medians.items()))
+
+
+if __name__ == "__main__":
+    main()
