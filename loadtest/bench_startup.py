@@ -15,20 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest import docgen  # noqa: E402
+from loadtest import docgen, serve_proc  # noqa: E402
 from services.launcher import free_port  # noqa: E402
 
 SERVICES = ("executor", "scheduler", "gateway")
@@ -62,27 +56,11 @@ def memory(pid: int) -> dict:
 
 def one_start(tree: Path, model: str | None) -> dict:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    argv = [sys.executable, "-m", "services.launcher", "serve", "--port", str(port),
-            "--log-level", "warning"] + (["--model", model] if model else [])
+    flags = ["--log-level", "warning"] + (["--model", model] if model else [])
     before = set(map(int, filter(str.isdigit, os.listdir("/proc"))))
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=tree, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = serve_proc.start(tree, port, flags)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve exited with {proc.returncode}: "
-                                 f"{proc.stderr.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                time.sleep(0.05)
-            if time.monotonic() - t0 > 600:
-                raise SystemExit("serve was not healthy after 600 s")
-        healthy_s = time.monotonic() - t0
+        healthy_s = serve_proc.wait_healthy(proc, port)
         mem = {}
         for name, pids in services_of().items():
             new = [p for p in pids if p not in before]      # this stack's, not another's
@@ -90,11 +68,7 @@ def one_start(tree: Path, model: str | None) -> dict:
                 mem[name] = memory(new[0])
         return {"healthy_s": round(healthy_s, 2), "services": mem}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        serve_proc.stop(proc)
 
 
 def main() -> None:
@@ -104,16 +78,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="--model of serve (default: the bundled one)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    base = None
-    if args.baseline:
-        base = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
-                        str(base), args.baseline], check=True)
     runs = []
-    try:
+    with docgen.trees(args.baseline) as trees:
         for r in range(args.rounds):
-            trees = [(REPO, docgen.commit())] + ([(base, args.baseline)] if base else [])
-            for tree, label in (trees if r % 2 == 0 else trees[::-1]):
+            for tree, label in docgen.in_turn(trees, r):
                 row = {"label": label, **one_start(tree, args.model)}
                 runs.append(row)
                 if not args.json:
@@ -121,11 +89,6 @@ def main() -> None:
                                                                    else "")
                                     for k, v in sorted(row["services"].items()))
                     print(f"{label}: healthy after {row['healthy_s']} s; {mem}", flush=True)
-    finally:
-        if base is not None:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
-                            str(base)], check=False)
-            shutil.rmtree(base.parent, ignore_errors=True)
     labels = list(dict.fromkeys(r["label"] for r in runs))
     medians = {lab: round(statistics.median(r["healthy_s"] for r in runs
                                             if r["label"] == lab), 2) for lab in labels}

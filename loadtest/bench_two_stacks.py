@@ -25,19 +25,16 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest import docgen  # noqa: E402
+from loadtest import docgen, serve_proc  # noqa: E402
 from loadtest.sse_client import stream_completion  # noqa: E402
 from services.launcher import free_port, free_ports  # noqa: E402
 
@@ -54,40 +51,10 @@ def workload(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
 def start(tree: Path, args) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
-    env["PYTHONPATH"] = str(tree)
-    argv = [sys.executable, "-m", "services.launcher", "serve", "--port", str(port),
-            "--grpc-port", str(free_port()), "--zmq-port", str(free_ports(3)),
-            "--device", "cpu", "--dtype", args.dtype, "--kv-cache-gib", "0.5",
-            "--max-num-seqs", str(args.requests), "--log-level", "warning"]
-    proc = subprocess.Popen(argv, cwd=tree, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL)       # its banner: not our output
-    return proc, port
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a stack exited with {proc.returncode} during start-up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            time.sleep(0.5)
-    raise SystemExit("a stack was not healthy in time")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    import signal
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    flags = ["--grpc-port", str(free_port()), "--zmq-port", str(free_ports(3)),
+             "--device", "cpu", "--dtype", args.dtype, "--kv-cache-gib", "0.5",
+             "--max-num-seqs", str(args.requests), "--log-level", "warning"]
+    return serve_proc.start(tree, port, flags, env), port
 
 
 async def _one(port: int, prompt: list[int], out_tokens: int) -> int:
@@ -108,8 +75,8 @@ async def _load(port: int, prompts, out_tokens: int) -> tuple[int, float]:
 def measure(tree: Path, label: str, prompts, args) -> dict:
     (a, pa), (b, pb) = start(tree, args), start(tree, args)
     try:
-        wait_healthy(a, pa)
-        wait_healthy(b, pb)
+        serve_proc.wait_healthy(a, pa)
+        serve_proc.wait_healthy(b, pb)
 
         async def go():
             for port in (pa, pb):                       # warm-up: one short request each
@@ -124,8 +91,8 @@ def measure(tree: Path, label: str, prompts, args) -> dict:
 
         (tok_alone, wall_alone), both, wall_both = asyncio.run(go())
     finally:
-        stop(a)
-        stop(b)
+        serve_proc.stop(a)
+        serve_proc.stop(b)
     expected = len(prompts) * args.output_tokens
     if tok_alone != expected or any(t != expected for t, _ in both):
         raise SystemExit(f"{label}: a request streamed no text "
@@ -149,31 +116,16 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     prompts = workload(args.requests, args.seed)
-    base = None
-    if args.baseline:
-        base = Path(tempfile.mkdtemp(prefix="bench-two-stacks-")) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
-                        str(base), args.baseline], check=True)
     rows = []
-    try:
+    with docgen.trees(args.baseline) as trees:
         for r in range(args.rounds):
-            trees = [(REPO, docgen.commit())]
-            if base is not None:
-                trees.append((base, args.baseline))
-                if r % 2:
-                    trees.reverse()                      # drift weighs on both alike
-            for tree, label in trees:
+            for tree, label in docgen.in_turn(trees, r):
                 row = measure(tree, label, prompts, args)
                 rows.append(row)
                 if not args.json:
                     print(f"{label}: alone {row['alone_tok_s']} tok/s, together "
                           f"{row['together_tok_s']} ({row['per_stack_tok_s']}), "
                           f"{row['together_over_alone']}x", flush=True)
-    finally:
-        if base is not None:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
-                            str(base)], check=False)
-            shutil.rmtree(base.parent, ignore_errors=True)
     labels = list(dict.fromkeys(r["label"] for r in rows))
     summary = {lab: round(statistics.median(r["together_over_alone"] for r in rows
                                             if r["label"] == lab), 3) for lab in labels}

@@ -4,8 +4,11 @@ touching the prose around it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,3 +77,27 @@ def write_block(path: Path, name: str, lines: list[str]) -> None:
     else:
         text += ("\n" if text and not text.endswith("\n") else "") + start + block + end
     path.write_text(text)
+
+
+@contextmanager
+def trees(baseline: str | None):
+    """The code a benchmark runs in turn: [(the checkout, commit())], and with `baseline`
+    also (a temporary git worktree of that revision, baseline), removed on leaving."""
+    if not baseline:
+        yield [(REPO, commit())]
+        return
+    path = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(path),
+                    baseline], check=True)
+    try:
+        yield [(REPO, commit()), (path, baseline)]
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+                       check=False)
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def in_turn(items: list, round_no: int) -> list:
+    """`items` in order in even rounds, reversed in odd ones: drift in the machine's speed
+    weighs on each alike."""
+    return items if round_no % 2 == 0 else items[::-1]
