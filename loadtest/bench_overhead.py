@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -35,17 +34,11 @@ executor_openmp_defaults()
 
 from loadtest import docgen  # noqa: E402
 from loadtest.sse_client import stream_completion  # noqa: E402
+from loadtest.workloads import random_prompts as workload  # noqa: E402
 from services.engine import OfflineEngine  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402
-
-
-def workload(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
-    rng = random.Random(seed)
-    # plain token ids from the ordinary range of the vocabulary (skip special tokens)
-    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))]
-            for _ in range(n)]
 
 
 def run_inprocess(prompts, out_tokens, args) -> dict:

@@ -25,24 +25,6 @@ sys.path.insert(0, str(REPO))
 from loadtest import docgen, serve_proc  # noqa: E402
 from services.launcher import free_port  # noqa: E402
 
-SERVICES = ("executor", "scheduler", "gateway")
-
-
-def services_of() -> dict[str, list[int]]:
-    """service name -> pids of every pagedserve service process on the host (the caller
-    keeps those that were not there before its start: run it on an otherwise quiet host)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "services.launcher" in argv:
-            role = argv[argv.index("services.launcher") + 1:][:1]
-            if role and role[0] in SERVICES:
-                found.setdefault(role[0], []).append(int(pid))
-    return found
-
 
 def memory(pid: int) -> dict:
     try:
@@ -62,8 +44,9 @@ def one_start(tree: Path, model: str | None) -> dict:
     try:
         healthy_s = serve_proc.wait_healthy(proc, port)
         mem = {}
-        for name, pids in services_of().items():
-            new = [p for p in pids if p not in before]      # this stack's, not another's
+        # this stack's services: the ones that were not there before (a quiet host)
+        for name, procs in serve_proc.service_pids().items():
+            new = [pid for pid, _argv in procs if pid not in before]
             if new:
                 mem[name] = memory(new[0])
         return {"healthy_s": round(healthy_s, 2), "services": mem}

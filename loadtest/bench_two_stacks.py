@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -36,16 +35,11 @@ sys.path.insert(0, str(REPO))
 
 from loadtest import docgen, serve_proc  # noqa: E402
 from loadtest.sse_client import stream_completion  # noqa: E402
+from loadtest.workloads import random_prompts  # noqa: E402
 from services.launcher import free_port, free_ports  # noqa: E402
 
 OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 IDLE_S = 3.0         # after the warm-ups, before A runs alone
-
-
-def workload(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))]
-            for _ in range(n)]
 
 
 def start(tree: Path, args) -> tuple[subprocess.Popen, int]:
@@ -115,7 +109,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    prompts = workload(args.requests, args.seed)
+    prompts = random_prompts(args.requests, args.seed)
     rows = []
     with docgen.trees(args.baseline) as trees:
         for r in range(args.rounds):

@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+SERVICES = ("executor", "scheduler", "gateway")
+
 
 def start(tree: Path, port: int, flags: list[str], env: dict | None = None
           ) -> subprocess.Popen:
@@ -59,3 +61,20 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def service_pids() -> dict[str, list[tuple[int, list[str]]]]:
+    """role ("executor", "scheduler", "gateway") -> (pid, command line) of every pagedserve
+    service process on this host, read from /proc."""
+    found: dict[str, list] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "services.launcher" in argv:
+            role = argv[argv.index("services.launcher") + 1:][:1]
+            if role and role[0] in SERVICES:
+                found.setdefault(role[0], []).append((int(pid), argv))
+    return found

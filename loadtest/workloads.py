@@ -80,3 +80,11 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
         t += rng.expovariate(rate) if rate > 0 else 0.0
         out.append(t)
     return out
+
+
+def random_prompts(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    """n prompts of 32-256 token ids drawn uniformly from the ordinary range of the
+    vocabulary (the benchmarks that compare systems on one fixed set of prompts)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))]
+            for _ in range(n)]

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from loadtest.serve_proc import service_pids
 from services.engine import OfflineEngine
 from services.executor.config import ExecutorConfig
 from services.scheduler.config import SchedulerConfig
@@ -238,18 +239,11 @@ def _settled(stack, name: str) -> float:
 
 def _service_pid(stack, service: str) -> int:
     """The pid of `service` ("gateway", ...) of this stack (its command line names the
-    stack's HTTP port or Redis)."""
-    import os
+    stack's HTTP port)."""
     port = str(stack.ports["http"])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "services.launcher" in argv and argv[argv.index("services.launcher") + 1:][:1] \
-                == [service] and port in argv:
-            return int(pid)
+    for pid, argv in service_pids().get(service, []):
+        if port in argv:
+            return pid
     raise AssertionError(f"no {service} process of the stack on port {port}")
 
 
