@@ -705,7 +705,11 @@ def _serve(args) -> int:
         stopping = True
         raise KeyboardInterrupt
 
+    # SIGINT too, explicitly: a shell starts a background job (`pagedserve serve &`) with
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt for it (uvicorn, too,
+    # takes both signals whatever it inherited).
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         url = stack.start()
         print(f"pagedserve is up: {url}  (OpenAI API at {url}/v1; Ctrl-C stops everything)",

@@ -202,3 +202,40 @@ def test_the_executors_openmp_spin_is_documented_default_unless_the_environment_
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, **given},
                           capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == expected, done.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += map(int, f.read().split())
+    return out
+
+
+def test_serve_started_with_sigint_ignored_stops_on_sigint():
+    """A shell starts `pagedserve serve &` with SIGINT ignored; `kill -INT` still stops it and
+    everything it started."""
+    import signal
+    import time
+
+    from services.launcher import free_port
+    from tests.serve_stack import SMALL
+    proc = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", "--port",
+                             str(free_port()), *SMALL], cwd=REPO, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started := _children(proc.pid)):     # its Redis, at least, runs
+            assert proc.poll() is None and time.monotonic() < deadline, "serve started nothing"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "shutting down" in proc.stderr.read()
+        alive = [pid for pid in started if os.path.exists(f"/proc/{pid}")
+                 and open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"]
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
