@@ -56,6 +56,14 @@ class _Choice:
         return self.finish_reason is not None
 
     def advance(self, d: SeqDelta, want_logprobs: bool) -> ChoiceDelta | None:
+        if (len(d.token_ids) == 1 and self.stop is None and not want_logprobs
+                and d.finish_reason is None):
+            # most tokens of a stream: one token's text, what the loop below makes of it
+            self.num_tokens += 1
+            piece = self.detok.push(d.token_ids[0])
+            self.chars += len(piece)
+            self.text_parts.append(piece)
+            return ChoiceDelta(self.index, piece) if piece else None
         out = ChoiceDelta(self.index)
         parts = []
         for k, token in enumerate(d.token_ids):
@@ -147,6 +155,19 @@ class OutputProcessor:
             self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = out.prompt_logprobs
+        seqs = out.seqs
+        if len(seqs) == 1 and self._echoed and not out.finished and not self.spec.hide_output:
+            # one sequence's news (most outputs): what the general path below returns
+            d = seqs[0]
+            if not 0 <= d.index < len(self.choices) or self.choices[d.index].done:
+                return []
+            delta = self.choices[d.index].advance(d, self.spec.logprobs is not None)
+            if delta is None:
+                return []
+            if delta.finish_reason is not None and d.finish_reason is None:
+                self.stopped_here.append(d.index)
+            delta.index += self.base
+            return [delta]
         changed: dict[int, ChoiceDelta] = {}
         if not self._echoed:
             self._echoed = True

@@ -311,13 +311,17 @@ class GenerationStream:
         """Plain SSE: one event for everything the outputs read at once add to each choice.
         A client (or this gateway) that fell behind gets several tokens per event, as vLLM
         sends them, instead of an event per token that would keep it behind."""
-        merged: dict[int, ChoiceDelta] = {}      # choice index -> what it gained
-        for k, _entry, out in outputs:
-            if not self.parts[k].proc.done:
-                for d in self._process(k, out):
-                    merged[d.index] = join(merged[d.index], d) if d.index in merged else d
-        if merged:
+        if len(outputs) == 1:                    # (most reads: one output, as below)
+            k, _entry, out = outputs[0]
+            deltas = [] if self.parts[k].proc.done else self._process(k, out)
+        else:
+            merged: dict[int, ChoiceDelta] = {}  # choice index -> what it gained
+            for k, _entry, out in outputs:
+                if not self.parts[k].proc.done:
+                    for d in self._process(k, out):
+                        merged[d.index] = join(merged[d.index], d) if d.index in merged else d
             deltas = [merged[i] for i in sorted(merged)]
+        if deltas:
             body = self.shapes.text_chunk(deltas[0]) if len(deltas) == 1 else None
             frames.append(event(None, body or self.shapes.chunk(deltas, self._usage_so_far())))
 
