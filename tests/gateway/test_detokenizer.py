@@ -159,3 +159,33 @@ def test_stop_strings_apply_only_after_min_tokens(tokenizer, vocab):
                    for d in proc.process(RequestOutput("r1", [SeqDelta(0, [t])])))
     assert text == "ab ab "                  # the stop string first counts in token 3
     assert proc.choices[0].finish_reason == "stop" and proc.usage()["completion_tokens"] == 3
+
+
+@FAST
+@given(text=TEXT, n=st.integers(1, 2), base=st.integers(0, 2))
+def test_one_token_an_output_gives_the_text_and_counts_of_all_tokens_in_one(
+        tokenizer, vocab, text, n, base):
+    """The gateway's path for a one-token output (most of a stream) ends where the general
+    path over the same tokens does: the same text, characters and tokens counted; a token
+    that leaves a character incomplete shows nothing until the token that completes it."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assume(ids)
+    header = spec(n=n)
+    header.prompt_index = base               # a later prompt of a request: choices base*n+j
+    per_token, at_once = OutputProcessor(header, vocab), OutputProcessor(header, vocab)
+    shown = {j: "" for j in range(n)}
+    for t in ids:
+        for j in range(n):                   # each sequence's news in its own output
+            for d in per_token.process(RequestOutput("r1", [SeqDelta(j, [t])])):
+                assert d.text and d.index == base * n + j and d.finish_reason is None
+                shown[d.index - base * n] += d.text
+    end = [SeqDelta(j, [], finish_reason="length") for j in range(n)]
+    tail = {d.index: d.text for d in per_token.process(RequestOutput("r1", end, finished=True))}
+    whole = at_once.process(RequestOutput("r1", [SeqDelta(j, ids) for j in range(n)]))
+    whole += at_once.process(RequestOutput("r1", end, finished=True))
+    for j in range(n):
+        assert shown[j] + tail[base * n + j] == per_token.text(j) == at_once.text(j)
+        assert per_token.choices[j].chars == at_once.choices[j].chars
+        assert per_token.choices[j].finish_reason == at_once.choices[j].finish_reason == "length"
+    assert per_token.usage() == at_once.usage()
+    assert per_token.done and at_once.done
