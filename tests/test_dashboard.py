@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -111,6 +112,40 @@ def _complete(base: str, bodies: list[dict]) -> list[threading.Thread]:
         r = httpx.post(base + "/v1/completions", json=body, timeout=300,
                        headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
+    threads = [threading.Thread(target=run, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _hang_up_on(stop: threading.Event, base: str, bodies: list[dict],
+                failed: list) -> list[threading.Thread]:
+    """Stream each body as a completion on a raw socket of its own, read it until `stop` is
+    set, then close the socket: the gateway aborts what still runs. A socket, not a client
+    library, so that a stream with nothing to read (its request swapped out) hangs up on
+    time too. What went wrong, if anything, is appended to `failed`."""
+    host, port = base.removeprefix("http://").split(":")
+
+    def run(body: dict) -> None:
+        payload = json.dumps(dict(body, stream=True)).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: %b\r\n"
+                         b"authorization: Bearer %b\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (host.encode(), KEY.encode(),
+                                                            len(payload), payload))
+            sock.settimeout(0.1)
+            head = b""
+            while not stop.is_set():
+                try:
+                    data = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    failed.append(f"the gateway closed the stream of {body['prompt'][:10]}")
+                    return
+                head = head or data
+            if not head.startswith(b"HTTP/1.1 200"):
+                failed.append(head[:300])
     threads = [threading.Thread(target=run, args=(b,)) for b in bodies]
     for t in threads:
         t.start()
@@ -225,16 +260,20 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser, shots):
     # Four requests that together outgrow the 64-block pool: preemption swaps one out.
     bodies = [{"prompt": f"Story {i}: " + "once upon a time there was a server. " * 20,
                "max_tokens": 260, "temperature": 0, "ignore_eos": True} for i in range(4)]
-    threads = _complete(base, bodies)
+    hang_up, failed = threading.Event(), []
+    threads = _hang_up_on(hang_up, base, bodies, failed)
     _wait(browser, "c.cpuUsed > 0 && c.swapped > 0", 180)
     if browser.evaluate("(() => { const tr = document.querySelector("
                         "'#requests tr[data-status=swapped]'); tr && tr.click(); return !!tr; })()"):
         title = browser.evaluate("document.getElementById('table-title').textContent")
         assert "(swapped)" in title, title
     browser.screenshot(os.path.join(shots, "dashboard-swap.png"))
+    # Every client hangs up, the swapped-out one too: the page shows both pools emptied.
+    hang_up.set()
     for t in threads:
-        t.join(300)
-    _wait(browser, "c.gpuUsed === 0 && c.cpuUsed === 0", 2.0)
+        t.join(30)
+    assert failed == []
+    _wait(browser, "c.gpuUsed === 0 && c.cpuUsed === 0 && c.requests === 0", 40 * POLL_S)
 
     browser.pump()
     assert browser.errors == []
