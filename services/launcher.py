@@ -493,11 +493,15 @@ class Stack:
         self.specs[name] = (argv, env)
         return proc
 
-    def _wait(self, name: str, proc: subprocess.Popen, ready, timeout: float) -> None:
+    def _wait(self, name: str, proc: subprocess.Popen, ready, timeout: float,
+              also: list[tuple[str, subprocess.Popen]] = ()) -> None:
+        """Until `ready()`; a RuntimeError if `proc`, or one of `also` (services that are
+        starting meanwhile), exits first, or after `timeout` s."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {proc.returncode} during start-up")
+            for who, p in [(name, proc), *also]:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{who} exited with status {p.returncode} during start-up")
             try:
                 if ready():
                     return
@@ -560,17 +564,22 @@ class Stack:
         flags = _flags_for(a)
         # With --tensor-parallel-size N the executor starts its other ranks itself.
         ex = self._spawn("executor", common + ["executor"] + flags["executor"], env)
+        # The gateway needs neither the executor nor the scheduler to start (a request waits
+        # in Redis; /health says 503 until a scheduler beats): it starts while the executor
+        # loads the model, and its start-up failing is reported as soon as it happens.
+        gw = self._spawn("gateway", common + ["gateway"] + flags["gateway"], env)
         from shared.control import ExecutorClient
         client = ExecutorClient(grpc_addr)
         # Rank 0 answers once every rank has joined the group and loaded its shard.
-        self._wait("executor", ex, lambda: client.is_alive(1.0), a.startup_timeout)
+        self._wait("executor", ex, lambda: client.is_alive(1.0), a.startup_timeout,
+                   also=[("gateway", gw)])
         # NOTE: the scheduler uses numpy for columns (scheduler/lead.py), never its BLAS;
         # OpenBLAS's own thread pool would only take CPU from the executor's threads.
         sc = self._spawn("scheduler", common + ["scheduler"] + flags["scheduler"],
                          {"OPENBLAS_NUM_THREADS": "1", **env})
         check = argparse.Namespace(**vars(a), service="scheduler")
-        self._wait("scheduler", sc, lambda: _healthcheck(check) == 0, a.startup_timeout)
-        gw = self._spawn("gateway", common + ["gateway"] + flags["gateway"], env)
+        self._wait("scheduler", sc, lambda: _healthcheck(check) == 0, a.startup_timeout,
+                   also=[("gateway", gw)])
         url = f"http://{a.host}:{a.port}"
         self._wait("gateway", gw, lambda: urllib.request.urlopen(url + "/health", timeout=2)
                    .status == 200, a.startup_timeout)

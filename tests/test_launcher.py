@@ -239,3 +239,24 @@ def test_serve_started_with_sigint_ignored_stops_on_sigint():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_start_up_ends_at_once_when_a_service_starting_beside_it_exits():
+    """serve starts the gateway while the executor loads: a gateway that exits then is
+    reported while serve still waits for the executor, not once the executor is up."""
+    import time
+
+    from services.launcher import Stack
+    stack = Stack(build_parser().parse_args(["serve"]))
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    loading = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="gateway exited with status 3 during start-up"):
+            stack._wait("executor", loading, lambda: False, 30, also=[("gateway", dead)])
+        assert time.monotonic() - t0 < 5
+    finally:
+        loading.kill()
+        loading.wait()
+        stack.stop()
