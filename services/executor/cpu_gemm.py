@@ -11,14 +11,17 @@ A candidate is *available* when this torch build and CPU can run it, and *correc
 gives F.linear's result and gives each row the same bits whatever the number of rows (so a
 sequence's logits, and a seeded draw from them, do not change when other sequences join or
 leave the batch); only an available and correct one is ever used. Which correct one
-is fastest depends on the CPU, so the executor times them at start on the model's own
-weights (`pick_fp32_gemm`); docs/executor.md reports them by row count
+is fastest depends on the CPU, so the executor times them on the model's own weights
+(`pick_fp32_gemm`) at its first start on a machine and remembers the choice
+(`remembered_fastest`); docs/executor.md reports them by row count
 (loadtest/bench_cpu_gemm.py).
 
 It also decides what `dtype="auto"` means on a CPU (`auto_cpu_dtype`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import statistics
@@ -218,7 +221,7 @@ def pick_fp32_gemm(weights: list[torch.Tensor]) -> str | None:
                     usable[0] if usable else "the plain GEMM")
     if len(usable) < 2:
         return usable[0] if usable else None
-    return fastest(usable, weights, "fp32")
+    return remembered_fastest(usable, weights, "fp32")
 
 
 # The engine's GEMM is kept unless another times this much faster: closer than that, the
@@ -242,6 +245,42 @@ def fastest(gemms: list[str], weights: list[torch.Tensor], what: str) -> str:
         best = "engine"
     log.info("%s GEMM: %s (per row at 64 + at 512 rows, %d weights: %s)", what, best,
              len(weights), ", ".join(f"{g} {1e6 * c:.1f} us" for g, c in cost.items()))
+    return best
+
+
+def remembered_fastest(gemms: list[str], weights: list[torch.Tensor], what: str) -> str:
+    """`fastest`, timed once and remembered: the choice is kept in
+    $PAGEDSERVE_CACHE_DIR/gemm/<key>.json, the key made of what is timed (the candidates,
+    the weights' shapes and dtypes, the thread count) and of what runs it (the CPU's model
+    and flags, torch's version, the engine's kernel build), and later starts read it
+    instead of timing (about a second each). Delete the folder to time them again."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    build = cpu_kernels.build_key() if cpu_kernels.kernels() is not None else "none"
+    key = hashlib.sha256(json.dumps(
+        [what, list(gemms), [[list(w.shape), str(w.dtype)] for w in weights],
+         torch.get_num_threads(), torch.__version__, cpu, build, ENGINE_MARGIN, EVICT_BYTES]
+    ).encode()).hexdigest()[:24]
+    path = cpu_kernels.cache_root() / "gemm" / f"{what}-{key}.json"
+    try:
+        best = json.loads(path.read_text())["gemm"]
+        if best in gemms:
+            log.info("%s GEMM: %s (timed at an earlier start: %s)", what, best, path)
+            return best
+    except (OSError, ValueError, KeyError, TypeError):
+        pass                                 # not timed yet here, or an unreadable file
+    best = fastest(gemms, weights, what)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"gemm": best}))
+        os.replace(tmp, path)                # atomic: a concurrent start reads all or nothing
+    except OSError as exc:
+        log.warning("could not keep the %s GEMM choice in %s: %s", what, path, exc)
     return best
 
 
@@ -283,7 +322,7 @@ def bf16_gemm(weights: list[torch.Tensor] | None = None) -> str | None:
                               ("onednn", bf16_packing())) if ok]
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
     if forced not in usable and native and engine and cpu_kernels.dp_available() and weights:
-        return fastest(["engine", "onednn"], weights, "bf16")
+        return remembered_fastest(["engine", "onednn"], weights, "bf16")
     gemm = forced if forced in usable else usable[0] if usable else None
     log.info("bf16 GEMM: %s", gemm or "the plain GEMM")
     return gemm

@@ -42,16 +42,23 @@ def kernels() -> ctypes.CDLL | None:
     return _lib
 
 
-def _load() -> ctypes.CDLL:
-    # -march=native code must not run on another CPU: the key covers source, flags and CPU.
+def build_key() -> str:
+    """What the library is built from: its source, the compiler flags and the CPU (the
+    flags of /proc/cpuinfo; -march=native code must not run on another CPU)."""
     cpuinfo = Path("/proc/cpuinfo")
     flags = next((ln for ln in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
                   if ln.startswith("flags")), "")
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode()
-                         + flags.encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
-    path = root / "kernels" / f"cpu_kernels-{key}.so"
+    return hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode()
+                          + flags.encode()
+                          + platform.machine().encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+
+
+def _load() -> ctypes.CDLL:
+    path = cache_root() / "kernels" / f"cpu_kernels-{build_key()}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -2,6 +2,8 @@
 prompt logprobs, and errors that come back in the StepResult."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -315,12 +317,14 @@ def test_bf16_without_bf16_instructions_takes_the_engine_gemm(monkeypatch):
 
 
 @pytest.mark.parametrize("faster", ["engine", "onednn"])
-def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, faster):
+def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, tmp_path, faster):
     """Where oneDNN and the engine's GEMM both multiply bf16 with the CPU's instructions,
     the one that times faster over the first layer's weights is used (and only there is anything
     timed); PAGEDSERVE_CPU_GEMM still forces one."""
     from services.executor import cpu_gemm, cpu_kernels
 
+    cpu_kernels.kernels()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))     # no choice remembered
     monkeypatch.delenv("PAGEDSERVE_CPU_GEMM", raising=False)
     monkeypatch.setattr(cpu_gemm, "cpu_bf16", lambda: ("AuthenticAMD", "avx512_bf16"))
     monkeypatch.setattr(cpu_gemm, "bf16_packing", lambda: True)
@@ -344,16 +348,51 @@ def test_bf16_with_dot_products_in_both_takes_the_faster(monkeypatch, faster):
 @pytest.mark.parametrize("engine_cost,picked", [(1.04, "engine"), (1.06, "onednn"),
                                                 (0.9, "engine")])
 def test_the_fp32_pick_keeps_the_engine_unless_another_is_clearly_faster(
-        monkeypatch, engine_cost, picked):
+        monkeypatch, tmp_path, engine_cost, picked):
     """Within ENGINE_MARGIN (5 %) of the fastest time the engine's GEMM is kept; a GEMM
     that times faster by more is picked."""
-    from services.executor import cpu_gemm
+    from services.executor import cpu_gemm, cpu_kernels
 
+    cpu_kernels.kernels()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))     # no choice remembered
     monkeypatch.delenv("PAGEDSERVE_CPU_GEMM", raising=False)
     monkeypatch.setattr(cpu_gemm, "usable_gemms", lambda: ["engine", "mkl", "onednn"])
     costs = {"engine": engine_cost, "mkl": 1.5, "onednn": 1.0}
     monkeypatch.setattr(cpu_gemm, "time_packed_gemm", lambda g, w, evict: costs[g])
     assert cpu_gemm.pick_fp32_gemm([torch.ones(8, 8)]) == picked
+
+
+def test_the_gemm_choice_is_timed_once_per_machine_and_shapes_and_remembered(monkeypatch,
+                                                                          tmp_path):
+    """The first start times the GEMMs and keeps its choice under PAGEDSERVE_CACHE_DIR; a
+    later start with the same weights' shapes takes it untimed; other shapes, an
+    unreadable file or a choice that is no longer a candidate are timed anew."""
+    from services.executor import cpu_gemm, cpu_kernels
+
+    cpu_kernels.kernels()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDSERVE_CPU_GEMM", raising=False)
+    usable = ["engine", "mkl", "onednn"]
+    monkeypatch.setattr(cpu_gemm, "usable_gemms", lambda: list(usable))
+    timed = []
+
+    def cost(gemm, w, evict):
+        timed.append(gemm)
+        return {"engine": 2.0, "mkl": 1.5, "onednn": 1.0}[gemm]
+    monkeypatch.setattr(cpu_gemm, "time_packed_gemm", cost)
+    weights = [torch.ones(8, 8)]
+    assert cpu_gemm.pick_fp32_gemm(weights) == "onednn" and sorted(timed) == usable
+    (kept,) = (tmp_path / "gemm").iterdir()
+    timed.clear()
+    assert cpu_gemm.pick_fp32_gemm(weights) == "onednn" and timed == []   # remembered
+    assert cpu_gemm.pick_fp32_gemm([torch.ones(16, 8)]) == "onednn" and len(timed) == 3
+    timed.clear()
+    kept.write_text("{not json")
+    assert cpu_gemm.pick_fp32_gemm(weights) == "onednn" and len(timed) == 3
+    assert json.loads(kept.read_text()) == {"gemm": "onednn"}             # kept again
+    timed.clear()
+    usable.remove("onednn")              # e.g. found wrong here: the choice is timed again
+    assert cpu_gemm.pick_fp32_gemm(weights) == "mkl" and sorted(timed) == ["engine", "mkl"]
 
 
 def test_config_errors_say_what_to_pass(monkeypatch):
