@@ -175,7 +175,6 @@ def run_hf(requests, rates, args) -> dict:
             while j < len(requests) and j - i < batch and arrivals[j] <= now:
                 j += 1
             group = list(range(i, j))
-            start = time.perf_counter() - t0
             _hf_generate(model, [requests[k] for k in group], torch)
             end = time.perf_counter() - t0
             for k in group:

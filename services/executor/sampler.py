@@ -226,8 +226,8 @@ class Sampler:
     # ------------------------------------------------------------------ random sampling
 
     def _sample(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        n = x.shape[0]
         dev = x.device
+
         def col(vals: list, dt: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(vals, dtype=dt, device=dev)[:, None]
 
