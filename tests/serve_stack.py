@@ -49,7 +49,7 @@ class Serve:
                     try:
                         with open(f"/proc/{pid}/cmdline", "rb") as c:
                             cmd = c.read().replace(b"\0", b" ").decode()
-                    except FileNotFoundError:
+                    except (FileNotFoundError, ProcessLookupError):   # it exited meanwhile
                         continue
                     for name, mark in SERVICES.items():
                         if mark in cmd:

@@ -6,11 +6,13 @@ is synthetic data (16 prompt tokens, 8 output tokens), 40 requests at concurrenc
 request guidellm sends must succeed, and the token counts guidellm reports for each request
 must equal the usage pagedserve computed for it (read back from the request's output stream).
 
-NOTE: guidellm leaves out of its report a request it cancelled before sending it (its
-accumulator ignores "cancelled before starting"); when its workers stop at the `max_requests`
-count, one of the 40 can end that way (seen once in CI: 39 successful, none errored or
-incomplete). The gateway's own count of answered requests on the endpoint is the check that
-nothing sent was lost: it must equal guidellm's successful requests.
+NOTE: guidellm leaves out of its report a request it cancelled before it counted it as
+started (its accumulator ignores "cancelled before starting"); when its workers stop at the
+`max_requests` count, one of the requests in flight can end that way, before it reached
+the gateway or after (seen: 39 successful, none errored or incomplete, and the gateway
+answered 39 in one run, 40 in another). So the gateway's own count of answered requests on
+the endpoint may exceed guidellm's successful ones by the requests in flight at the stop,
+never more, and never fall short of them.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def test_guidellm_runs_without_errors_and_counts_our_tokens(stack, hf_dir, offli
     requests = json.loads(out.read_text())["benchmarks"][0]["requests"]
     assert (len(requests["errored"]), len(requests["incomplete"])) == (0, 0)
     sent = answered(stack.base_url, request_format) - before
-    assert sent == len(requests["successful"]) > REQUESTS - CONCURRENCY
+    ok = len(requests["successful"])
+    assert REQUESTS - CONCURRENCY < ok <= sent < ok + CONCURRENCY
     for req in requests["successful"]:
         usage = final_usage(stack.base_url, req["response_id"])
         assert req["input_metrics"]["text_tokens"] == usage["prompt_tokens"]
