@@ -12,7 +12,9 @@ Three kinds of process, so that each one's CPU is counted apart:
 Every token the source publishes is one character of text, so the clients know which
 token each SSE event carries (coalesced events carry several) and the added latency of
 every token is exact: its arrival at the client minus the time the source handed it to
-Redis (one host, one clock).
+Redis (one host, one clock). With --socket-times, `added_ms_p99_at_socket` takes the
+kernel's receive time of the bytes at the client's socket instead (SO_TIMESTAMPNS): what
+the clients' own reading adds (one process reads hundreds of sockets in turn) is left out.
 
     python loadtest/bench_frontend.py [--streams 256] [--rate 25600] [--tokens 200]
         [--processes 1,2] [--baseline main] [--repeats 3] [--pin] [--json]
@@ -44,7 +46,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.sse_client import StreamError, stream_completion  # noqa: E402
+from loadtest.sse_client import (  # noqa: E402
+    StreamError,
+    stream_completion,
+    stream_completion_stamped,
+)
 from loadtest.docgen import cpu  # noqa: E402
 
 PREFIX = "benchfe"
@@ -186,9 +192,10 @@ def run_source(args) -> None:
 
 # ---------------------------------------------------------------- the clients
 
-async def _stream(port: int, body: dict, out: dict) -> None:
+async def _stream(port: int, body: dict, out: dict, stamped: bool) -> None:
+    read = stream_completion_stamped if stamped else stream_completion
     try:
-        rid, arrivals = await stream_completion("127.0.0.1", port, body)
+        rid, arrivals = await read("127.0.0.1", port, body)
     except StreamError as exc:
         out.setdefault("_errors", []).append(str(exc))
         return
@@ -212,7 +219,8 @@ def run_clients(args) -> None:
         # open the streams in waves: a burst of thousands of connects overflows the backlog
         tasks = []
         for i in range(args.streams):
-            tasks.append(asyncio.create_task(_stream(args.port, body, out)))
+            tasks.append(asyncio.create_task(_stream(args.port, body, out,
+                                                     args.socket_times)))
             if i % 64 == 63:
                 await asyncio.sleep(0.01)
         await asyncio.gather(*tasks, return_exceptions=False)
@@ -318,7 +326,9 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
             cli_outs.append(Path(tmp, f"clients{i}.json"))
             clients.append(subprocess.Popen(me + ["--role", "clients", "--port", str(port),
                                                   "--streams", str(n), "--tokens",
-                                                  str(args.tokens), "--out", str(cli_outs[-1])],
+                                                  str(args.tokens), "--out", str(cli_outs[-1]),
+                                                  *(["--socket-times"] if args.socket_times
+                                                    else [])],
                                             preexec_fn=pinned(rest)))
         procs += clients
         for c in clients:
@@ -354,14 +364,16 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         redis_proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
     errors = got.pop("_errors", [])
-    lat, tokens, first_pub, last_arrival = [], 0, float("inf"), 0.0
+    lat, at_socket, tokens, first_pub, last_arrival = [], [], 0, float("inf"), 0.0
     for rid, arrivals in got.items():
         pub = published.get(rid, [])
         k = 0
-        for t, n in arrivals:
+        for t, n, *stamp in arrivals:
             for _ in range(n):
                 if k < len(pub) and k >= args.skip_first:
                     lat.append((t - pub[k]) * 1000)
+                    if stamp:
+                        at_socket.append((stamp[0] - pub[k]) * 1000)
                 k += 1
         tokens += k
         if pub:
@@ -379,6 +391,10 @@ def measure(args, processes: int, tree: Path, token_ids: list[int], label: str) 
         # the share of the gateway's CPU spent in the kernel (/proc's ticks)
         "gateway_kernel_share": round(gw_sys / max(1, gw_user + gw_sys), 2),
         "added_ms_p50": round(pct(lat, 50), 2), "added_ms_p99": round(pct(lat, 99), 2),
+        # the same up to the client's socket (the kernel's receive time): without the
+        # clients' own delay in reading, a process that reads hundreds of sockets in turn
+        "added_ms_p50_at_socket": round(pct(at_socket, 50), 2) if at_socket else None,
+        "added_ms_p99_at_socket": round(pct(at_socket, 99), 2) if at_socket else None,
         "since_start_s": round(time.time() - t0, 1),
     }
 
@@ -419,6 +435,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     ap.add_argument("--processes", default="1", help="comma-separated api-server counts")
     ap.add_argument("--client-procs", type=int, default=1)
+    ap.add_argument("--socket-times", action="store_true",
+                    help="also report the added latency up to the clients' sockets (the "
+                         "kernel's receive times; the clients read with recvmsg in Python, "
+                         "about 2 us a token more of their CPU)")
     ap.add_argument("--baseline", default=None, help="git revision to run as the baseline")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every case this many times, in turns (the baseline alternating "
@@ -462,6 +482,7 @@ def main() -> None:
         "tokens_per_s_by_processes": {str(r["processes"]): r["tokens_per_s"] for r in current},
         "cpu_us_per_token": one["cpu_us_per_token"],
         "added_ms_p50": one["added_ms_p50"], "added_ms_p99": one["added_ms_p99"],
+        "added_ms_p99_at_socket": one["added_ms_p99_at_socket"],
         "one_core_capacity_tokens_per_s": round(1e6 / max(1e-9, one["cpu_us_per_token"]
                                                           ["gateway"])),
         "runs": runs, "cpu_model": cpu(), "cores": os.cpu_count(), "pinned": args.pin,

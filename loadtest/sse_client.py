@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import time
 
 try:
@@ -39,6 +41,56 @@ async def stream_completion(host: str, port: int, body: dict, path: str = "/v1/c
         transport.close()
 
 
+# Linux: the kernel's receive time of a socket's data, as a `struct timespec` cmsg
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_TIMESPEC = struct.Struct("@qq")
+
+
+async def stream_completion_stamped(host: str, port: int, body: dict,
+                                    path: str = "/v1/completions"
+                                    ) -> tuple[str, list[tuple[float, int, float]]]:
+    """`stream_completion`, and for each event also when its bytes reached this host's
+    socket: [(time.time() at arrival, text characters, the kernel's receive time)]. The
+    gap between the two is this process's own delay in reading (another socket's events
+    read first, or the process not running), not the server's."""
+    payload = json.dumps(body).encode()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    sock.setblocking(False)
+    proto = _SSEReader(loop.create_future())
+    try:
+        await loop.sock_connect(sock, (host, port))
+        await loop.sock_sendall(sock, b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: "
+                                      b"application/json\r\ncontent-length: %d\r\n\r\n"
+                                % (path.encode(), host.encode(), len(payload)) + payload)
+        space = socket.CMSG_SPACE(_TIMESPEC.size)
+
+        def readable() -> None:
+            while not proto.finished.done():
+                try:
+                    data, anc, _flags, _addr = sock.recvmsg(1 << 16, space)
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    proto.connection_lost(exc)
+                    return
+                if not data:
+                    proto.eof_received()
+                    return
+                proto.stamp = next((_TIMESPEC.unpack(d[:_TIMESPEC.size]) for lvl, kind, d in anc
+                                    if lvl == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS),
+                                   None)
+                proto.data_received(data)
+        loop.add_reader(sock.fileno(), readable)
+        try:
+            return await proto.finished
+        finally:
+            loop.remove_reader(sock.fileno())
+    finally:
+        sock.close()
+
+
 class _SSEReader(asyncio.Protocol):
     """Parses the response as its bytes arrive, in the transport's callback: no stream
     reader, no task woken per read (what a benchmark client spends per event is CPU taken
@@ -49,7 +101,9 @@ class _SSEReader(asyncio.Protocol):
         self.head: dict[str, str] | None = None      # the response's headers, once read
         self.chunked = False
         self.raw = self.sse = b""
-        self.arrivals: list[tuple[float, int]] = []
+        self.arrivals: list[tuple] = []
+        # (seconds, nanoseconds) the kernel received the bytes being read, when known
+        self.stamp: tuple[int, int] | None = None
 
     def data_received(self, data: bytes) -> None:
         if self.finished.done():
@@ -90,7 +144,8 @@ class _SSEReader(asyncio.Protocol):
                     n = sum(len(c.get("text") or (c.get("delta") or {}).get("content") or "")
                             for c in loads(line[6:])["choices"])
                     if n:
-                        self.arrivals.append((t, n))
+                        self.arrivals.append((t, n) if self.stamp is None else
+                                             (t, n, self.stamp[0] + self.stamp[1] * 1e-9))
                 elif line == b"data: [DONE]":
                     done = True
         if done:

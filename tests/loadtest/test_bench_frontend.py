@@ -15,7 +15,8 @@ STREAMS, TOKENS = 4, 12
 def test_bench_frontend_delivers_every_published_token_and_counts_each_process():
     proc = subprocess.run(
         [sys.executable, "loadtest/bench_frontend.py", "--streams", str(STREAMS),
-         "--rate", "400", "--tokens", str(TOKENS), "--processes", "1", "--json"],
+         "--rate", "400", "--tokens", str(TOKENS), "--processes", "1", "--socket-times",
+         "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -27,6 +28,9 @@ def test_bench_frontend_delivers_every_published_token_and_counts_each_process()
     assert set(out["cpu_us_per_token"]) == {"gateway", "redis", "source", "clients"}
     assert out["cpu_us_per_token"]["gateway"] > 0
     assert 0 <= out["added_ms_p50"] <= out["added_ms_p99"]
+    # each token reached the client's socket before the client read it
+    assert 0 <= run["added_ms_p50_at_socket"] <= run["added_ms_p50"]
+    assert run["added_ms_p50_at_socket"] <= out["added_ms_p99_at_socket"] <= out["added_ms_p99"]
 
 
 def test_repeated_cases_are_reported_by_their_medians():
