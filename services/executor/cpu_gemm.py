@@ -253,11 +253,15 @@ def remembered_fastest(gemms: list[str], weights: list[torch.Tensor], what: str)
     $PAGEDSERVE_CACHE_DIR/gemm/<key>.json, the key made of what is timed (the candidates,
     the weights' shapes and dtypes, the thread count) and of what runs it (the CPU's model
     and flags, torch's version, the engine's kernel build), and later starts read it
-    instead of timing (about a second each). Delete the folder to time them again."""
-    cpu = ""
+    instead of timing (1-2 s each). Delete the folder to time them again."""
+    cpu = []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.strip() for ln in f if ln.startswith("model name")), "")
+            for ln in f:
+                if ln.startswith(("model name", "flags")):
+                    cpu.append(ln.strip())
+                    if len(cpu) == 2:
+                        break
     except OSError:
         pass
     build = cpu_kernels.build_key() if cpu_kernels.kernels() is not None else "none"
