@@ -146,7 +146,7 @@ def _hang_up_on(stop: threading.Event, base: str, bodies: list[dict],
                 head = head or data
             if not head.startswith(b"HTTP/1.1 200"):
                 failed.append(head[:300])
-    threads = [threading.Thread(target=run, args=(b,)) for b in bodies]
+    threads = [threading.Thread(target=run, args=(b,), daemon=True) for b in bodies]
     for t in threads:
         t.start()
     return threads
@@ -262,14 +262,17 @@ def test_block_map_shows_sharing_swap_and_release(small_stack, browser, shots):
                "max_tokens": 260, "temperature": 0, "ignore_eos": True} for i in range(4)]
     hang_up, failed = threading.Event(), []
     threads = _hang_up_on(hang_up, base, bodies, failed)
-    _wait(browser, "c.cpuUsed > 0 && c.swapped > 0", 180)
-    if browser.evaluate("(() => { const tr = document.querySelector("
-                        "'#requests tr[data-status=swapped]'); tr && tr.click(); return !!tr; })()"):
-        title = browser.evaluate("document.getElementById('table-title').textContent")
-        assert "(swapped)" in title, title
-    browser.screenshot(os.path.join(shots, "dashboard-swap.png"))
-    # Every client hangs up, the swapped-out one too: the page shows both pools emptied.
-    hang_up.set()
+    try:
+        _wait(browser, "c.cpuUsed > 0 && c.swapped > 0", 180)
+        if browser.evaluate("(() => { const tr = document.querySelector("
+                            "'#requests tr[data-status=swapped]'); tr && tr.click(); "
+                            "return !!tr; })()"):
+            title = browser.evaluate("document.getElementById('table-title').textContent")
+            assert "(swapped)" in title, title
+        browser.screenshot(os.path.join(shots, "dashboard-swap.png"))
+    finally:
+        # Every client hangs up, the swapped-out one too: the page shows both pools emptied.
+        hang_up.set()
     for t in threads:
         t.join(30)
     assert failed == []
