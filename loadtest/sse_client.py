@@ -28,17 +28,21 @@ async def stream_completion(host: str, port: int, body: dict, path: str = "/v1/c
                             ) -> tuple[str, list[tuple[float, int]]]:
     """POST a streaming request; (X-Request-Id, [(time.time() at arrival, text characters
     of that event)] for every event that carried text). Raises StreamError on a non-200."""
-    payload = json.dumps(body).encode()
     loop = asyncio.get_running_loop()
     transport, proto = await loop.create_connection(
         lambda: _SSEReader(loop.create_future()), host, port)
     try:
-        transport.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                        b"content-length: %d\r\n\r\n" % (path.encode(), host.encode(),
-                                                         len(payload)) + payload)
+        transport.write(_request(host, path, body))
         return await proto.finished
     finally:
         transport.close()
+
+
+def _request(host: str, path: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    return (b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % (path.encode(), host.encode(), len(payload))
+            + payload)
 
 
 # Linux: the kernel's receive time of a socket's data, as a `struct timespec` cmsg
@@ -53,7 +57,6 @@ async def stream_completion_stamped(host: str, port: int, body: dict,
     socket: [(time.time() at arrival, text characters, the kernel's receive time)]. The
     gap between the two is this process's own delay in reading (another socket's events
     read first, or the process not running), not the server's."""
-    payload = json.dumps(body).encode()
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
@@ -61,9 +64,7 @@ async def stream_completion_stamped(host: str, port: int, body: dict,
     proto = _SSEReader(loop.create_future())
     try:
         await loop.sock_connect(sock, (host, port))
-        await loop.sock_sendall(sock, b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: "
-                                      b"application/json\r\ncontent-length: %d\r\n\r\n"
-                                % (path.encode(), host.encode(), len(payload)) + payload)
+        await loop.sock_sendall(sock, _request(host, path, body))
         space = socket.CMSG_SPACE(_TIMESPEC.size)
 
         def readable() -> None:

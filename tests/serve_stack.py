@@ -20,6 +20,24 @@ SMALL = ["--device", "cpu", "--dtype", "float32", "--kv-cache-gib", "0.25",
          "--swap-space-gib", "0.25", "--log-level", "warning"]
 
 
+def child_pids(pid: int) -> list[int]:
+    """PIDs of the processes `pid` started (any of its threads), from /proc."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += map(int, f.read().split())
+    return out
+
+
+def alive(pid: int) -> bool:
+    """False once `pid` has exited (a zombie not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 class Serve:
     def __init__(self, *flags: str, port: int | None = None, env: dict | None = None) -> None:
         self.port = port or free_port()
@@ -43,17 +61,15 @@ class Serve:
     def children(self) -> dict[str, int]:
         """service name -> pid of the process `serve` runs for it now."""
         out = {}
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
-                for pid in map(int, f.read().split()):
-                    try:
-                        with open(f"/proc/{pid}/cmdline", "rb") as c:
-                            cmd = c.read().replace(b"\0", b" ").decode()
-                    except (FileNotFoundError, ProcessLookupError):   # it exited meanwhile
-                        continue
-                    for name, mark in SERVICES.items():
-                        if mark in cmd:
-                            out[name] = pid
+        for pid in child_pids(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as c:
+                    cmd = c.read().replace(b"\0", b" ").decode()
+            except (FileNotFoundError, ProcessLookupError):   # it exited meanwhile
+                continue
+            for name, mark in SERVICES.items():
+                if mark in cmd:
+                    out[name] = pid
         return out
 
     def kill(self, name: str) -> int:

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from services.launcher import _ephemeral_range, _reserve, build_parser, free_ports
+from services.launcher import (Stack, _ephemeral_range, _reserve, build_parser, free_port,
+                               free_ports)
 from tests.conftest import REPO
+from tests.serve_stack import SMALL, alive, child_pids
 
 
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
@@ -204,37 +208,22 @@ def test_the_executors_openmp_spin_is_documented_default_unless_the_environment_
     assert done.stdout.strip() == expected, done.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += map(int, f.read().split())
-    return out
-
-
 def test_serve_started_with_sigint_ignored_stops_on_sigint():
     """A shell starts `pagedserve serve &` with SIGINT ignored; `kill -INT` still stops it and
     everything it started."""
-    import signal
-    import time
-
-    from services.launcher import free_port
-    from tests.serve_stack import SMALL
     proc = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", "--port",
                              str(free_port()), *SMALL], cwd=REPO, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (started := _children(proc.pid)):     # its Redis, at least, runs
+        while not (started := child_pids(proc.pid)):     # its Redis, at least, runs
             assert proc.poll() is None and time.monotonic() < deadline, "serve started nothing"
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         assert "shutting down" in proc.stderr.read()
-        alive = [pid for pid in started if os.path.exists(f"/proc/{pid}")
-                 and open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"]
-        assert alive == []
+        assert [pid for pid in started if alive(pid)] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -244,9 +233,6 @@ def test_serve_started_with_sigint_ignored_stops_on_sigint():
 def test_start_up_ends_at_once_when_a_service_starting_beside_it_exits():
     """serve starts the gateway while the executor loads: a gateway that exits then is
     reported while serve still waits for the executor, not once the executor is up."""
-    import time
-
-    from services.launcher import Stack
     stack = Stack(build_parser().parse_args(["serve"]))
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     dead.wait()

@@ -21,6 +21,7 @@ import pytest
 
 from shared.control import ExecutorClient
 from tests.conftest import start_stack, stop_process
+from tests.serve_stack import alive, child_pids
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis to a ten-year-old.", "What is 17 times 23?",
@@ -85,12 +86,6 @@ def test_tp3_stack_serves_a_request_and_frees_its_blocks(tp3):
         time.sleep(0.1)
 
 
-def _children(pid: int) -> list[int]:
-    """PIDs of a process's children (for a rank-0 executor: the ranks it started)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 def _stream_outcome(base_url: str, max_tokens: int, started: threading.Event) -> dict:
     """Stream one completion; what happened: chunks seen, finish reason, error."""
     out = {"chunks": 0, "finish": None, "error": None}
@@ -122,10 +117,10 @@ def test_a_lost_rank_under_serve_restarts_the_group_and_the_request_continues(tp
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_stream_outcome, tp3.base_url, 64, started)
         assert started.wait(120), "the stream never started"
-        executor = next(pid for pid in _children(tp3.proc.pid) if _children(pid))
-        os.kill(_children(executor)[0], signal.SIGKILL)
+        executor = next(pid for pid in child_pids(tp3.proc.pid) if child_pids(pid))
+        os.kill(child_pids(executor)[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while _alive(executor):
+        while alive(executor):
             assert time.monotonic() < deadline, "rank 0 did not stop when a rank died"
             time.sleep(0.1)
         deadline = time.monotonic() + 30
@@ -136,21 +131,12 @@ def test_a_lost_rank_under_serve_restarts_the_group_and_the_request_continues(tp
         out = pending.result(timeout=300)
     assert out["error"] is None and out["finish"] == "length", out
     assert tp3.proc.poll() is None, "serve stopped"
-    restarted = next(pid for pid in _children(tp3.proc.pid) if _children(pid))
-    assert restarted != executor and len(_children(restarted)) == 2
+    restarted = next(pid for pid in child_pids(tp3.proc.pid) if child_pids(pid))
+    assert restarted != executor and len(child_pids(restarted)) == 2
     deadline = time.monotonic() + 60
     while _health(tp3.base_url) != 200:
         assert time.monotonic() < deadline, "/health did not recover"
         time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    """False once `pid` has exited (a zombie not yet reaped by serve counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _health(base_url: str) -> int:
