@@ -102,7 +102,7 @@ static inline const char *next_block(const void *cache, const int32_t *table, in
 
 static inline void prefetch_row(const char *next, int64_t o, int64_t row_bytes) {
     if (next)
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b, 0, 3);
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b, 0, 1);
 }
 
 /* Each of the hq score rows [0, ctx) -> exp(s - max) in place; inv[j] = 1 / its sum. */
@@ -253,7 +253,7 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
             for (int64_t h = 0, j = 0; h < hkv; h++)
                 for (int64_t jj = 0; jj < g; jj++, j++) {
                     for (int64_t l = j * per; l < (j + 1) * per && l < lines; l++)
-                        __builtin_prefetch(next + l * 64, 0, 3);
+                        __builtin_prefetch(next + l * 64, 0, 1);
                     const char *hb = b0 + h * d * esize;         /* head h of row 0 */
                     if (!pass) {
                         const float *qj = q + j * d;
