@@ -172,6 +172,10 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
         out[:nd] = o.reshape(nd, -1, d)
     for ch in meta.prefills:
         q = query[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        if ch.block_ids is None and cpu_kernels.prefill_attention(
+                query[ch.q_start:ch.q_end], key[ch.q_start:ch.q_end],
+                value[ch.q_start:ch.q_end], out[ch.q_start:ch.q_end], scale):
+            continue
         if ch.block_ids is None:
             k = key[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)
             v = value[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)

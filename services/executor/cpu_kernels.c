@@ -44,6 +44,7 @@ typedef __mmask16 vmask_t;
 #define V_ZERO() _mm512_setzero_ps()
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
 #define V_MLOAD(m, p) _mm512_maskz_loadu_ps(m, p)
 #define V_MSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
 static inline vmask_t lanes(int64_t n) {              /* the first n of 16 lanes */
@@ -60,6 +61,7 @@ typedef __m256i vmask_t;
 #define V_ZERO() _mm256_setzero_ps()
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
 #define V_MLOAD(m, p) _mm256_maskload_ps(p, m)      /* masked-off lanes are not read */
 #define V_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
 static inline vmask_t lanes(int64_t n) {              /* the first n of 8 lanes */
@@ -511,6 +513,157 @@ void rope_and_cache_bf16(uint16_t *qkv, int64_t stride, const int64_t *positions
         }
     }
 }
+
+/* ------------------------------------------------------------ prefill attention
+ *
+ * Causal attention of one prompt chunk that starts at position 0, over its own K/V:
+ *   q   [n, Hq, D]    rows q_ld values apart (a view of the QKV projection's rows)
+ *   k/v [n, Hkv, D]   rows kv_ld values apart
+ *   out [n, Hq, D]    rows out_ld values apart
+ * all fp32, or all bf16 (bf16 = 1; the sums in fp32, the output rounded once to bf16).
+ * As GEMMs in registers: K is first laid out transposed per KV head ([D][n], fp32), so that
+ * a tile of PA_MR query rows scores VW keys per vector with one FMA per row and d; the
+ * scores of the tile's rows (up to its last row's position) stay in an L2-sized buffer for
+ * the softmax; then PA_PR rows x PA_PC vectors of D are summed over the keys, p broadcast
+ * per row and key. The rows of one query head and tile are one work item, the tiles with
+ * the most keys first. torch's flash attention for the CPU runs these small causal
+ * products (prompts of tens to hundreds of tokens, a few heads) at a fraction of the GEMM
+ * rate, and in bf16 on a CPU without AMX through MKL's widening bf16 GEMM.
+ * scratch: hkv * d * np (K^T) + hkv * n * d (V) + threads * PA_MR * (np + d) floats,
+ * np = n rounded up to VW (prefill_scratch_floats). Returns 0, or -1 where d is not a
+ * multiple of the vector width or hq of hkv (the caller falls back). */
+#ifdef GEMM_VW
+#if GEMM_VW == 16
+#define PA_MR 14         /* query rows of a score tile (14 accumulators) */
+#define PA_PR 7          /* p . V: rows x vectors of d in registers (28 accumulators) */
+#define PA_PC 4
+#else
+#define PA_MR 12
+#define PA_PR 3
+#define PA_PC 3
+#endif
+
+int64_t prefill_scratch_floats(int64_t n, int64_t hkv, int64_t d, int num_threads) {
+    int64_t np = (n + GEMM_VW - 1) / GEMM_VW * GEMM_VW;
+    return hkv * d * np + hkv * n * d + (int64_t)num_threads * PA_MR * (np + d);
+}
+
+static inline float elem(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* out rows [mr] x vectors [nc] = (p [mr][lim], rows np apart) . V rows [lim] (d apart),
+ * each row times inv[r]; fp32 or bf16 out (rows out_ld values apart). */
+static inline __attribute__((always_inline)) void
+pv_tile(const float *p, int64_t np, const float *vh, int64_t d, int64_t lim, const float *inv,
+        int64_t mr, int64_t nc, char *out, int64_t out_ld, int bf16) {
+    const int64_t VW = GEMM_VW;
+    vec_t acc[PA_PR][PA_PC];
+    for (int r = 0; r < PA_PR; r++)
+        for (int c = 0; c < PA_PC; c++) acc[r][c] = V_ZERO();
+    for (int64_t t = 0; t < lim; t++) {
+        vec_t x[PA_PC];
+        for (int c = 0; c < PA_PC; c++) x[c] = c < nc ? V_LOADU(vh + t * d + c * VW) : V_ZERO();
+        for (int r = 0; r < PA_PR; r++)
+            if (r < mr) {
+                vec_t pv = V_SET1(p[r * np + t]);
+                for (int c = 0; c < PA_PC; c++)
+                    if (c < nc) acc[r][c] = V_FMA(pv, x[c], acc[r][c]);
+            }
+    }
+    for (int r = 0; r < PA_PR; r++)
+        for (int c = 0; c < PA_PC; c++) {
+            if (r >= mr || c >= nc) continue;
+            vec_t y = V_MUL(acc[r][c], V_SET1(inv[r]));
+            if (!bf16) {
+                V_STOREU((float *)out + r * out_ld + c * VW, y);
+            } else {
+                float tmp[GEMM_VW];
+                V_STOREU(tmp, y);
+                for (int l = 0; l < VW; l++)
+                    ((uint16_t *)out)[r * out_ld + c * VW + l] = f2bf(tmp[l]);
+            }
+        }
+}
+
+int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v, int64_t kv_ld,
+                      int bf16, void *out, int64_t out_ld, int64_t n, int64_t hq, int64_t hkv,
+                      int64_t d, float scale, float *scratch, int num_threads) {
+    const int64_t VW = GEMM_VW;
+    if (d % VW || hq % hkv || n < 1) return -1;
+    int64_t g = hq / hkv, np = (n + VW - 1) / VW * VW, nt = (n + PA_MR - 1) / PA_MR;
+    float *kt = scratch, *vf = kt + hkv * d * np, *sbase = vf + hkv * n * d;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t hc = 0; hc < hkv * d; hc++) {      /* K^T per KV head; V as fp32 rows */
+            float *kr = kt + hc * np;
+            for (int64_t t = 0; t < n; t++) {
+                kr[t] = elem(k, t * kv_ld + hc, bf16);
+                vf[((hc / d) * n + t) * d + hc % d] = elem(v, t * kv_ld + hc, bf16);
+            }
+            for (int64_t t = n; t < np; t++) kr[t] = 0.f;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < hq * nt; it++) {
+            int64_t tile = nt - 1 - it / hq, j = it % hq, h = j / g;
+            int64_t i0 = tile * PA_MR, m = n - i0 < PA_MR ? n - i0 : PA_MR, kvn = i0 + m;
+            float *s = sbase + (int64_t)omp_get_thread_num() * PA_MR * (np + d);
+            float *qs = s + PA_MR * np, inv[PA_MR];
+            for (int64_t r = 0; r < PA_MR; r++)          /* the tile's rows, scaled: [d][PA_MR] */
+                for (int64_t c = 0; c < d; c++)
+                    qs[c * PA_MR + r] = r < m ? elem(q, (i0 + r) * q_ld + j * d + c, bf16) * scale
+                                              : 0.f;
+            const float *kh = kt + h * d * np;
+            for (int64_t t0 = 0; t0 < kvn; t0 += VW) {        /* scores of keys t0 .. t0+VW */
+                vec_t acc[PA_MR];
+                for (int r = 0; r < PA_MR; r++) acc[r] = V_ZERO();
+                for (int64_t c = 0; c < d; c++) {
+                    vec_t kv = V_LOADU(kh + c * np + t0);
+                    const float *qc = qs + c * PA_MR;
+                    for (int r = 0; r < PA_MR; r++) acc[r] = V_FMA(V_SET1(qc[r]), kv, acc[r]);
+                }
+                for (int r = 0; r < PA_MR; r++) V_STOREU(s + r * np + t0, acc[r]);
+            }
+            for (int64_t r = 0; r < m; r++) {         /* row i0 + r sees keys 0 .. i0 + r */
+                float *sr = s + r * np, mx = sr[0], sum = 0.f;
+                int64_t len = i0 + r + 1;
+                for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;
+                for (int64_t t = 0; t < len; t++) {
+                    sr[t] = expf(sr[t] - mx);
+                    sum += sr[t];
+                }
+                for (int64_t t = len; t < kvn; t++) sr[t] = 0.f;
+                inv[r] = 1.f / sum;
+            }
+            const float *vh = vf + h * n * d;
+            for (int64_t r0 = 0; r0 < m; r0 += PA_PR) {
+                int64_t mr = m - r0 < PA_PR ? m - r0 : PA_PR, lim = i0 + r0 + mr;
+                for (int64_t c0 = 0; c0 < d; c0 += PA_PC * VW) {
+                    int64_t nc = (d - c0) / VW < PA_PC ? (d - c0) / VW : PA_PC;
+                    char *o = (char *)out + ((i0 + r0) * out_ld + j * d + c0) * (bf16 ? 2 : 4);
+                    if (mr == PA_PR && nc == PA_PC)    /* constants: no guards in the loop */
+                        pv_tile(s + r0 * np, np, vh + c0, d, lim, inv + r0, PA_PR, PA_PC, o,
+                                out_ld, bf16);
+                    else
+                        pv_tile(s + r0 * np, np, vh + c0, d, lim, inv + r0, mr, nc, o, out_ld,
+                                bf16);
+                }
+            }
+        }
+    }
+    return 0;
+}
+#else
+int64_t prefill_scratch_floats(int64_t n, int64_t hkv, int64_t d, int num_threads) {
+    return 0;
+}
+int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v, int64_t kv_ld,
+                      int bf16, void *out, int64_t out_ld, int64_t n, int64_t hq, int64_t hkv,
+                      int64_t d, float scale, float *scratch, int num_threads) {
+    return -1;
+}
+#endif
 
 /* ------------------------------------------------------------ greedy sampling
  *

@@ -91,6 +91,11 @@ def _load() -> ctypes.CDLL:
     lib.silu_and_mul_bf16.restype = None
     lib.rope_and_cache_bf16.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i32]
     lib.rope_and_cache_bf16.restype = None
+    lib.prefill_scratch_floats.argtypes = [i64, i64, i64, i32]
+    lib.prefill_scratch_floats.restype = i64
+    lib.prefill_attention.argtypes = [p, i64, p, p, i64, i32, p, i64, i64, i64, i64, i64, f32,
+                                      p, i32]
+    lib.prefill_attention.restype = i32
     lib.greedy_logprobs.argtypes = [p, i64, i64, i64, p, p, i32]
     lib.greedy_logprobs.restype = None
     lib.linear_packed_available.argtypes = []
@@ -146,6 +151,36 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"{hq} heads of {d} exceed the CPU decode kernel (at most 256 heads "
                          "and 16384 floats per token): set PAGEDSERVE_CPU_KERNELS=torch")
     return out
+
+
+_prefill_scratch = torch.empty(0)
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, scale: float) -> bool:
+    """Causal attention of a chunk that starts at position 0, over its own key/value:
+    query [n, Hq, D], key/value [n, Hkv, D] (rows any distance apart, heads contiguous), into
+    out [n, Hq, D] (contiguous rows), all fp32 or all bf16. False where the kernel does not
+    take these (the caller runs SDPA)."""
+    global _prefill_scratch
+    lib = kernels()
+    n, hq, d = query.shape
+    hkv = key.shape[1]
+    if (lib is None or query.dtype not in (torch.float32, torch.bfloat16)
+            or any(t.dtype != query.dtype or t.stride(2) != 1 or t.stride(1) != d
+                   for t in (query, key, value, out))
+            or key.stride(0) != value.stride(0) or out.stride(0) != hq * d):
+        return False
+    threads = torch.get_num_threads()
+    need = lib.prefill_scratch_floats(n, hkv, d, threads)
+    if need <= 0:
+        return False
+    if _prefill_scratch.numel() < need:   # kept between calls: no page faults per layer
+        _prefill_scratch = torch.empty(need, dtype=torch.float32)
+    return lib.prefill_attention(
+        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
+        int(query.dtype == torch.bfloat16), out.data_ptr(), out.stride(0), n, hq, hkv, d,
+        scale, _prefill_scratch.data_ptr(), threads) == 0
 
 
 def add_rms_norm(residual: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,

@@ -167,3 +167,45 @@ def test_c_decode_kernel_reads_qkv_rows_and_writes_into_out():
     with pytest.raises(ValueError, match="contiguous fp32"):
         cpu_kernels.decode_attention(q, kc, vc, tables, lens, int(lens.max()), scale,
                                      out=torch.empty(len(lens), hq, d, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+@pytest.mark.parametrize("dtype,rel,abs_", [(torch.float32, 0, 2e-5),
+                                            (torch.bfloat16, 2 ** -8, 1e-5)])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2), (12, 1)])
+@pytest.mark.parametrize("d", [64, 128, 80, 16])
+@pytest.mark.parametrize("n", [1, 13, 14, 15, 29, 100, 301])
+def test_c_prefill_kernel_matches_sdpa(dtype, rel, abs_, hq, hkv, d, n):
+    """Causal attention of a chunk that starts at position 0, as the model passes it (the
+    query, keys and values views of the QKV projection's rows), into rows of a larger
+    output, against SDPA in float64 on the same values: chunks of one row, of one score
+    tile (14 rows) and around it, GQA groups of 1 to 12, heads of one to eight vectors
+    (80: a group of four and one of one). bf16: within one bf16 step of each value (the
+    sums in fp32, rounded once)."""
+    g = torch.Generator().manual_seed(n * 1000 + d * 10 + hq + hkv)
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype)
+    q = qkv[:, :hq * d].view(n, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    out = torch.full((n + 2, hq, d), 7.0, dtype=dtype)
+    scale = d ** -0.5
+    assert cpu_kernels.prefill_attention(q, k, v, out[1:n + 1], scale)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1).unsqueeze(0) for t in (q, k, v)), is_causal=True,
+        scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert ((out[1:n + 1].double() - ref).abs() <= ref.abs() * rel + abs_).all()
+    assert (out[0] == 7.0).all() and (out[n + 1] == 7.0).all()    # other rows untouched
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_c_prefill_kernel_declines_what_it_does_not_take():
+    """Head sizes that are no multiple of the vector width and mixed dtypes go back to the
+    caller (False, nothing written), which runs SDPA; paged_attention's result is the same
+    either way."""
+    q, k, v = torch.randn(5, 4, 20), torch.randn(5, 2, 20), torch.randn(5, 2, 20)
+    out = torch.full((5, 4, 20), 7.0)
+    assert not cpu_kernels.prefill_attention(q, k, v, out, 0.2)
+    assert not cpu_kernels.prefill_attention(q[..., :16].contiguous(), k[..., :16].contiguous(),
+                                             v[..., :16].bfloat16(), out[..., :16].contiguous(),
+                                             0.25)
+    assert (out == 7.0).all()
