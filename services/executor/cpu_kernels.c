@@ -4,6 +4,7 @@
  * every loop over rows runs on torch's own OpenMP pool (same libgomp soname).
  *
  *   paged_decode_attention   one query row per sequence, K/V read in place from the pool
+ *   prefill_attention        causal attention of a chunk at position 0 over its own K/V
  *   add_rms_norm             residual += h; out = rms_norm(residual) * w        (fp32)
  *   silu_and_mul             out = silu(gate) * up, from the fused [gate | up] rows (fp32)
  *   rope_and_cache           rotate q and k heads in place, store k and v in their slots
