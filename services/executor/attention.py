@@ -171,11 +171,14 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, -1, d)
     for ch in meta.prefills:
-        q = query[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        if ch.block_ids is None and cpu_kernels.prefill_attention(
-                query[ch.q_start:ch.q_end], key[ch.q_start:ch.q_end],
-                value[ch.q_start:ch.q_end], out[ch.q_start:ch.q_end], scale):
+        paged = ch.block_ids is not None      # K/V partly from earlier steps: from the pool
+        if cpu_kernels.prefill_attention(
+                query[ch.q_start:ch.q_end], k_cache if paged else key[ch.q_start:ch.q_end],
+                v_cache if paged else value[ch.q_start:ch.q_end], out[ch.q_start:ch.q_end],
+                scale, table=ch.block_ids.to(torch.int32) if paged else None,
+                start=ch.context_len - (ch.q_end - ch.q_start)):
             continue
+        q = query[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if ch.block_ids is None:
             k = key[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)
             v = value[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)

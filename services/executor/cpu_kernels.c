@@ -517,12 +517,17 @@ void rope_and_cache_bf16(uint16_t *qkv, int64_t stride, const int64_t *positions
 
 /* ------------------------------------------------------------ prefill attention
  *
- * Causal attention of one prompt chunk that starts at position 0, over its own K/V:
- *   q   [n, Hq, D]    rows q_ld values apart (a view of the QKV projection's rows)
- *   k/v [n, Hkv, D]   rows kv_ld values apart
- *   out [n, Hq, D]    rows out_ld values apart
- * all fp32, or all bf16 (bf16 = 1; the sums in fp32, the output rounded once to bf16).
- * As GEMMs in registers: K is first laid out transposed per KV head ([D][n], fp32), so that
+ * Causal attention of one prompt chunk of n tokens at positions start .. start + n - 1
+ * over the keys of positions 0 .. start + n - 1:
+ *   q   [n, Hq, D]      rows q_ld values apart (a view of the QKV projection's rows)
+ *   k/v [nk, Hkv, D]    nk = start + n; with table = NULL rows kv_ld values apart (the
+ *                       chunk's own fresh K/V, start 0), else token t's row in block
+ *                       table[t / bs], slot t % bs of a pool [blocks, bs, Hkv, D]
+ *                       (kv_ld = Hkv * D)
+ *   out [n, Hq, D]      rows out_ld values apart
+ * q and out fp32 or bf16 (bf16 = 1: the output rounded once to bf16), K/V fp32 or bf16
+ * (kv_bf16); the sums in fp32.
+ * As GEMMs in registers: K is first laid out transposed per KV head ([D][nk], fp32), so that
  * a tile of PA_MR query rows scores VW keys per vector with one FMA per row and d; the
  * scores of the tile's rows (up to its last row's position) stay in an L2-sized buffer for
  * the softmax; then PA_PR rows x PA_PC vectors of D are summed over the keys, p broadcast
@@ -530,8 +535,8 @@ void rope_and_cache_bf16(uint16_t *qkv, int64_t stride, const int64_t *positions
  * the most keys first. torch's flash attention for the CPU runs these small causal
  * products (prompts of tens to hundreds of tokens, a few heads) at a fraction of the GEMM
  * rate, and in bf16 on a CPU without AMX through MKL's widening bf16 GEMM.
- * scratch: hkv * d * np (K^T) + hkv * n * d (V) + threads * PA_MR * (np + d) floats,
- * np = n rounded up to VW (prefill_scratch_floats). Returns 0, or -1 where d is not a
+ * scratch: hkv * d * np (K^T) + hkv * nk * d (V) + threads * PA_MR * (np + d) floats,
+ * np = nk rounded up to VW (prefill_scratch_floats(nk, ...)). Returns 0, or -1 where d is not a
  * multiple of the vector width or hq of hkv (the caller falls back). */
 #ifdef GEMM_VW
 #if GEMM_VW == 16
@@ -587,28 +592,32 @@ pv_tile(const float *p, int64_t np, const float *vh, int64_t d, int64_t lim, con
         }
 }
 
-int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v, int64_t kv_ld,
-                      int bf16, void *out, int64_t out_ld, int64_t n, int64_t hq, int64_t hkv,
-                      int64_t d, float scale, float *scratch, int num_threads) {
+int prefill_attention(const void *q, int64_t q_ld, int bf16, const void *k, const void *v,
+                      int64_t kv_ld, int kv_bf16, const int32_t *table, int64_t bs,
+                      int64_t start, void *out, int64_t out_ld, int64_t n, int64_t hq,
+                      int64_t hkv, int64_t d, float scale, float *scratch, int num_threads) {
     const int64_t VW = GEMM_VW;
-    if (d % VW || hq % hkv || n < 1) return -1;
-    int64_t g = hq / hkv, np = (n + VW - 1) / VW * VW, nt = (n + PA_MR - 1) / PA_MR;
-    float *kt = scratch, *vf = kt + hkv * d * np, *sbase = vf + hkv * n * d;
+    if (d % VW || hq % hkv || n < 1 || start < 0) return -1;
+    int64_t nk = start + n, g = hq / hkv, np = (nk + VW - 1) / VW * VW;
+    int64_t nt = (n + PA_MR - 1) / PA_MR;
+    float *kt = scratch, *vf = kt + hkv * d * np, *sbase = vf + hkv * nk * d;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int64_t hc = 0; hc < hkv * d; hc++) {      /* K^T per KV head; V as fp32 rows */
             float *kr = kt + hc * np;
-            for (int64_t t = 0; t < n; t++) {
-                kr[t] = elem(k, t * kv_ld + hc, bf16);
-                vf[((hc / d) * n + t) * d + hc % d] = elem(v, t * kv_ld + hc, bf16);
+            for (int64_t t = 0; t < nk; t++) {
+                int64_t row = table ? (int64_t)table[t / bs] * bs + t % bs : t;
+                kr[t] = elem(k, row * kv_ld + hc, kv_bf16);
+                vf[((hc / d) * nk + t) * d + hc % d] = elem(v, row * kv_ld + hc, kv_bf16);
             }
-            for (int64_t t = n; t < np; t++) kr[t] = 0.f;
+            for (int64_t t = nk; t < np; t++) kr[t] = 0.f;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < hq * nt; it++) {
             int64_t tile = nt - 1 - it / hq, j = it % hq, h = j / g;
-            int64_t i0 = tile * PA_MR, m = n - i0 < PA_MR ? n - i0 : PA_MR, kvn = i0 + m;
+            int64_t i0 = tile * PA_MR, m = n - i0 < PA_MR ? n - i0 : PA_MR;
+            int64_t kvn = start + i0 + m;                 /* keys the tile's last row sees */
             float *s = sbase + (int64_t)omp_get_thread_num() * PA_MR * (np + d);
             float *qs = s + PA_MR * np, inv[PA_MR];
             for (int64_t r = 0; r < PA_MR; r++)          /* the tile's rows, scaled: [d][PA_MR] */
@@ -626,9 +635,9 @@ int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v,
                 }
                 for (int r = 0; r < PA_MR; r++) V_STOREU(s + r * np + t0, acc[r]);
             }
-            for (int64_t r = 0; r < m; r++) {         /* row i0 + r sees keys 0 .. i0 + r */
+            for (int64_t r = 0; r < m; r++) {   /* row i0 + r sees keys 0 .. start + i0 + r */
                 float *sr = s + r * np, mx = sr[0], sum = 0.f;
-                int64_t len = i0 + r + 1;
+                int64_t len = start + i0 + r + 1;
                 for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;
                 for (int64_t t = 0; t < len; t++) {
                     sr[t] = expf(sr[t] - mx);
@@ -637,9 +646,9 @@ int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v,
                 for (int64_t t = len; t < kvn; t++) sr[t] = 0.f;
                 inv[r] = 1.f / sum;
             }
-            const float *vh = vf + h * n * d;
+            const float *vh = vf + h * nk * d;
             for (int64_t r0 = 0; r0 < m; r0 += PA_PR) {
-                int64_t mr = m - r0 < PA_PR ? m - r0 : PA_PR, lim = i0 + r0 + mr;
+                int64_t mr = m - r0 < PA_PR ? m - r0 : PA_PR, lim = start + i0 + r0 + mr;
                 for (int64_t c0 = 0; c0 < d; c0 += PA_PC * VW) {
                     int64_t nc = (d - c0) / VW < PA_PC ? (d - c0) / VW : PA_PC;
                     char *o = (char *)out + ((i0 + r0) * out_ld + j * d + c0) * (bf16 ? 2 : 4);
@@ -659,9 +668,10 @@ int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v,
 int64_t prefill_scratch_floats(int64_t n, int64_t hkv, int64_t d, int num_threads) {
     return 0;
 }
-int prefill_attention(const void *q, int64_t q_ld, const void *k, const void *v, int64_t kv_ld,
-                      int bf16, void *out, int64_t out_ld, int64_t n, int64_t hq, int64_t hkv,
-                      int64_t d, float scale, float *scratch, int num_threads) {
+int prefill_attention(const void *q, int64_t q_ld, int bf16, const void *k, const void *v,
+                      int64_t kv_ld, int kv_bf16, const int32_t *table, int64_t bs,
+                      int64_t start, void *out, int64_t out_ld, int64_t n, int64_t hq,
+                      int64_t hkv, int64_t d, float scale, float *scratch, int num_threads) {
     return -1;
 }
 #endif

@@ -93,8 +93,8 @@ def _load() -> ctypes.CDLL:
     lib.rope_and_cache_bf16.restype = None
     lib.prefill_scratch_floats.argtypes = [i64, i64, i64, i32]
     lib.prefill_scratch_floats.restype = i64
-    lib.prefill_attention.argtypes = [p, i64, p, p, i64, i32, p, i64, i64, i64, i64, i64, f32,
-                                      p, i32]
+    lib.prefill_attention.argtypes = [p, i64, i32, p, p, i64, i32, p, i64, i64, p, i64, i64,
+                                      i64, i64, i64, f32, p, i32]
     lib.prefill_attention.restype = i32
     lib.greedy_logprobs.argtypes = [p, i64, i64, i64, p, p, i32]
     lib.greedy_logprobs.restype = None
@@ -157,29 +157,42 @@ _prefill_scratch = torch.empty(0)
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      out: torch.Tensor, scale: float) -> bool:
-    """Causal attention of a chunk that starts at position 0, over its own key/value:
-    query [n, Hq, D], key/value [n, Hkv, D] (rows any distance apart, heads contiguous), into
-    out [n, Hq, D] (contiguous rows), all fp32 or all bf16. False where the kernel does not
-    take these (the caller runs SDPA)."""
+                      out: torch.Tensor, scale: float, table: torch.Tensor | None = None,
+                      start: int = 0) -> bool:
+    """Causal attention of a chunk of n tokens at positions start .. start + n - 1, into out.
+
+    query [n, Hq, D] (rows any distance apart, heads contiguous), out [n, Hq, D] (contiguous
+    rows), both fp32 or both bf16. Without `table`: key/value [n, Hkv, D] are the chunk's
+    own (start 0), views like the query, in its dtype. With `table` (int32, the chunk's
+    blocks in order): key/value are the pools [blocks, block_size, Hkv, D], fp32 or bf16,
+    holding positions 0 .. start + n - 1. False where the kernel does not take these (the
+    caller runs SDPA)."""
     global _prefill_scratch
     lib = kernels()
     n, hq, d = query.shape
-    hkv = key.shape[1]
+    hkv = key.shape[-2]
+    paged = table is not None
     if (lib is None or query.dtype not in (torch.float32, torch.bfloat16)
-            or any(t.dtype != query.dtype or t.stride(2) != 1 or t.stride(1) != d
-                   for t in (query, key, value, out))
-            or key.stride(0) != value.stride(0) or out.stride(0) != hq * d):
+            or out.dtype != query.dtype or key.dtype != value.dtype
+            or key.dtype not in (torch.float32, torch.bfloat16)
+            or (not paged and key.dtype != query.dtype)
+            or any(t.stride(-1) != 1 or t.stride(-2) != d for t in (query, key, value, out))
+            or out.stride(0) != hq * d or key.stride(0) != value.stride(0)
+            or (paged and not (key.is_contiguous() and value.is_contiguous()
+                               and table.dtype == torch.int32 and table.is_contiguous()
+                               and table.numel() * key.shape[1] >= start + n))):
         return False
     threads = torch.get_num_threads()
-    need = lib.prefill_scratch_floats(n, hkv, d, threads)
+    need = lib.prefill_scratch_floats(start + n, hkv, d, threads)
     if need <= 0:
         return False
     if _prefill_scratch.numel() < need:   # kept between calls: no page faults per layer
         _prefill_scratch = torch.empty(need, dtype=torch.float32)
     return lib.prefill_attention(
-        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
-        int(query.dtype == torch.bfloat16), out.data_ptr(), out.stride(0), n, hq, hkv, d,
+        query.data_ptr(), query.stride(0), int(query.dtype == torch.bfloat16), key.data_ptr(),
+        value.data_ptr(), hkv * d if paged else key.stride(0),
+        int(key.dtype == torch.bfloat16), table.data_ptr() if paged else None,
+        key.shape[1] if paged else 0, start, out.data_ptr(), out.stride(0), n, hq, hkv, d,
         scale, _prefill_scratch.data_ptr(), threads) == 0
 
 

@@ -209,3 +209,38 @@ def test_c_prefill_kernel_declines_what_it_does_not_take():
                                              v[..., :16].bfloat16(), out[..., :16].contiguous(),
                                              0.25)
     assert (out == 7.0).all()
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+@pytest.mark.parametrize("dtype,cache_dtype,rel,abs_", [
+    (torch.float32, torch.float32, 0, 2e-5), (torch.float32, torch.bfloat16, 0, 2e-5),
+    (torch.bfloat16, torch.bfloat16, 2 ** -8, 1e-5)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (12, 1, 16)])
+@pytest.mark.parametrize("start,n", [(1, 1), (5, 14), (16, 29), (37, 3), (200, 15)])
+@pytest.mark.parametrize("bs", [16, 4])
+def test_c_prefill_kernel_over_the_pool_matches_sdpa(dtype, cache_dtype, rel, abs_, hq, hkv,
+                                                     d, start, n, bs):
+    """A chunk that continues a sequence (chunked prefill, a cached prefix): n query rows at
+    positions start .. start + n - 1 over the keys of positions 0 .. start + n - 1, read
+    from the pool through the sequence's blocks in shuffled order, against SDPA in float64
+    on the same cache values (an fp32 model over a bf16 cache reads the rounded keys, as
+    the SDPA path does)."""
+    g = torch.Generator().manual_seed(start * 100 + n + d + bs)
+    nk, nblocks = start + n, -(-(start + n) // bs)
+    kc = torch.randn(nblocks + 5, bs, hkv, d, generator=g).to(cache_dtype)
+    vc = torch.randn(nblocks + 5, bs, hkv, d, generator=g).to(cache_dtype)
+    table = torch.randperm(nblocks + 5, generator=g)[:nblocks].to(torch.int32)
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype)
+    q = qkv[:, :hq * d].view(n, hq, d)
+    out = torch.full((n + 1, hq, d), 7.0, dtype=dtype)
+    scale = d ** -0.5
+    assert cpu_kernels.prefill_attention(q, kc, vc, out[:n], scale, table=table, start=start)
+    k = kc[table.long()].reshape(-1, hkv, d)[:nk].double()
+    v = vc[table.long()].reshape(-1, hkv, d)[:nk].double()
+    mask = torch.arange(nk)[None, :] <= torch.arange(start, nk)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+        enable_gqa=True)[0].transpose(0, 1)
+    assert ((out[:n].double() - ref).abs() <= ref.abs() * rel + abs_).all()
+    assert (out[n] == 7.0).all()
