@@ -32,7 +32,7 @@ class PrefillChunk:
     q_start: int                   # first query row in the flat batch
     q_end: int
     context_len: int               # tokens of the sequence in the cache after this step
-    block_ids: torch.Tensor | None  # [ceil(context_len / block_size)] int64; None: fresh prompt
+    block_ids: torch.Tensor | None  # [ceil(context_len / block_size)] int32; None: fresh prompt
     mask: torch.Tensor | None      # [q_len, context_len] bool; None: plain causal
 
 
@@ -111,8 +111,9 @@ class AttentionMetadata:
                 meta.prefills.append(PrefillChunk(qs[b], qs[b + 1], n, None, None))
                 continue
             mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
-            meta.prefills.append(PrefillChunk(qs[b], qs[b + 1], c + n, tables[b, :nblocks[b]],
-                                              mask))
+            # int32, contiguous: the C kernel's block table (index_select takes it too)
+            meta.prefills.append(PrefillChunk(qs[b], qs[b + 1], c + n,
+                                              tables[b, :nblocks[b]].to(torch.int32), mask))
         return meta
 
 
@@ -175,7 +176,7 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
         if cpu_kernels.prefill_attention(
                 query[ch.q_start:ch.q_end], k_cache if paged else key[ch.q_start:ch.q_end],
                 v_cache if paged else value[ch.q_start:ch.q_end], out[ch.q_start:ch.q_end],
-                scale, table=ch.block_ids.to(torch.int32) if paged else None,
+                scale, table=ch.block_ids if paged else None,
                 start=ch.context_len - (ch.q_end - ch.q_start)):
             continue
         q = query[ch.q_start:ch.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
