@@ -9,15 +9,22 @@ splits the batch in two and keeps `kernels.reference` as the oracle in the tests
                                        place from the pool; without a C compiler, one padded
                                        gather of every sequence's blocks + one batched SDPA
                                        with a length mask
-    rows  num_decode .. T-1            prefill chunks: one SDPA per chunk (few per step,
-                                       each with many query rows); a chunk that starts at
-                                       position 0 attends to its fresh K/V directly
+    rows  num_decode .. T-1            prefill chunks, one call each (few per step, each
+                                       with many query rows): the C kernel, or torch's SDPA
+                                       where that is faster on this CPU (`pick_prefill_paths`:
+                                       SDPA's bf16 runs on AMX) or the kernel declines; a chunk
+                                       that starts at position 0 attends to its fresh K/V
+                                       directly, a later one reads its context from the pool
 
 The step plan orders its rows that way (shared/messages.py, StepPlan) and the runner keeps
 the plan's order.
 """
 from __future__ import annotations
 
+import logging
+import os
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,8 @@ import torch.nn.functional as F
 
 from kernels import ops
 from services.executor import cpu_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -52,6 +61,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None       # [num_decode, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] | None = None
     positions: torch.Tensor | None = None          # [T] int64: each token's position
+    # Whether the C kernel runs (fresh, continuing) prefill chunks, else SDPA: the model
+    # runner's `pick_prefill_paths`, set on each step's metadata.
+    prefill_kernel: tuple[bool, bool] = (True, True)
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int],
@@ -173,7 +185,7 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
         out[:nd] = o.reshape(nd, -1, d)
     for ch in meta.prefills:
         paged = ch.block_ids is not None      # K/V partly from earlier steps: from the pool
-        if cpu_kernels.prefill_attention(
+        if meta.prefill_kernel[paged] and cpu_kernels.prefill_attention(
                 query[ch.q_start:ch.q_end], k_cache if paged else key[ch.q_start:ch.q_end],
                 v_cache if paged else value[ch.q_start:ch.q_end], out[ch.q_start:ch.q_end],
                 scale, table=ch.block_ids if paged else None,
@@ -194,3 +206,80 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
                                                attn_mask=ch.mask, scale=scale, enable_gqa=True)
         out[ch.q_start:ch.q_end] = o[0].transpose(0, 1)
     return out
+
+
+# SDPA is picked over the C prefill kernel only when it times this much faster: closer, the
+# timings at start do not tell them apart.
+PREFILL_MARGIN = 1.05
+
+
+def pick_prefill_paths(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       kv_dtype: torch.dtype, block_size: int) -> tuple[bool, bool]:
+    """Whether the C kernel (True) or torch's SDPA runs prefill chunks that start a sequence
+    and chunks that continue one, for this model's heads and dtypes on this CPU.
+
+    Which is faster depends on the CPU: on the AMD EPYC Zen 4 the kernel is 1.6-2x SDPA in
+    fp32 and bf16; on an Intel Xeon with AMX SDPA's bf16 products run on the AMX tiles and
+    take 0.4-0.6 of the kernel's time, while in fp32 the kernel is 1.15-1.25x SDPA
+    (loadtest/bench_prefill_attention.py). So both are timed on one chunk of each kind
+    (256 tokens; a continuing one at the end of a context of 1,024), at the first start
+    on a machine, and the choice remembered (`cpu_kernels.remembered`, like the GEMM's).
+    PAGEDSERVE_PREFILL_ATTENTION=kernel|sdpa forces one for both kinds."""
+    if cpu_kernels.kernels() is None:
+        return (False, False)
+    forced = os.environ.get("PAGEDSERVE_PREFILL_ATTENTION", "auto")
+    if forced in ("kernel", "sdpa"):
+        return (forced == "kernel",) * 2
+    paths = []
+    for paged in (False, True):
+        kind = "continuing" if paged else "fresh"
+        key = [heads, kv_heads, head_dim, str(dtype), str(kv_dtype), block_size, PREFILL_MARGIN]
+        paths.append(cpu_kernels.remembered(
+            "attention", f"{kind} prefill attention", key, ("kernel", "sdpa"),
+            lambda: _faster_prefill(heads, kv_heads, head_dim, dtype, kv_dtype, block_size,
+                                    paged, kind)) == "kernel")
+    return tuple(paths)
+
+
+def _faster_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    kv_dtype: torch.dtype, block_size: int, paged: bool, kind: str) -> str:
+    """"kernel" or "sdpa": the faster on one chunk of 256 tokens (medians of 5 in turns),
+    fresh or at the end of a context of 1,024 tokens in a pool of shuffled blocks; random
+    values (the cost does not depend on them)."""
+    n, context = 256, 1024 if paged else 256
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    if paged:
+        nblocks = -(-context // block_size)
+        k = torch.randn(nblocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
+        v = torch.randn(nblocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
+        table = torch.randperm(nblocks, generator=g).to(torch.int32)
+        chunk = PrefillChunk(0, n, context, table, torch.arange(context)[None, :]
+                             <= torch.arange(context - n, context)[:, None])
+        pools, own = (k, v), (None, None)
+    else:
+        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+        chunk = PrefillChunk(0, n, n, None, None)
+        pools, own = (k.unsqueeze(1), v.unsqueeze(1)), (k, v)    # the pools go unread
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64),
+                             block_tables=torch.empty(0, 0, dtype=torch.int32),
+                             seq_lens=torch.empty(0, dtype=torch.int32),
+                             query_start_loc=torch.empty(0, dtype=torch.int32),
+                             prefills=[chunk])
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for r in range(6):
+            for use_kernel in ((True, False) if r % 2 else (False, True)):
+                meta.prefill_kernel = (use_kernel, use_kernel)
+                t0 = time.perf_counter()
+                cpu_paged_attention(q, *own, *pools, meta, scale)
+                if r:                                   # the first round warms both up
+                    times[use_kernel].append(time.perf_counter() - t0)
+    kernel, sdpa = statistics.median(times[True]), statistics.median(times[False])
+    best = "sdpa" if sdpa * PREFILL_MARGIN < kernel else "kernel"
+    log.info("%s prefill attention: %s (256 tokens, %s model, %s pool: kernel %.0f us, "
+             "SDPA %.0f us)", kind, best, str(dtype)[6:], str(kv_dtype)[6:], kernel * 1e6,
+             sdpa * 1e6)
+    return best

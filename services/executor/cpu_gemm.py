@@ -20,8 +20,6 @@ It also decides what `dtype="auto"` means on a CPU (`auto_cpu_dtype`).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import statistics
@@ -249,43 +247,13 @@ def fastest(gemms: list[str], weights: list[torch.Tensor], what: str) -> str:
 
 
 def remembered_fastest(gemms: list[str], weights: list[torch.Tensor], what: str) -> str:
-    """`fastest`, timed once and remembered: the choice is kept in
-    $PAGEDSERVE_CACHE_DIR/gemm/<key>.json, the key made of what is timed (the candidates,
-    the weights' shapes and dtypes, the thread count) and of what runs it (the CPU's model
-    and flags, torch's version, the engine's kernel build), and later starts read it
-    instead of timing (1-2 s each). Delete the folder to time them again."""
-    cpu = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith(("model name", "flags")):
-                    cpu.append(ln.strip())
-                    if len(cpu) == 2:
-                        break
-    except OSError:
-        pass
-    build = cpu_kernels.build_key() if cpu_kernels.kernels() is not None else "none"
-    key = hashlib.sha256(json.dumps(
-        [what, list(gemms), [[list(w.shape), str(w.dtype)] for w in weights],
-         torch.get_num_threads(), torch.__version__, cpu, build, ENGINE_MARGIN, EVICT_BYTES]
-    ).encode()).hexdigest()[:24]
-    path = cpu_kernels.cache_root() / "gemm" / f"{what}-{key}.json"
-    try:
-        best = json.loads(path.read_text())["gemm"]
-        if best in gemms:
-            log.info("%s GEMM: %s (timed at an earlier start: %s)", what, best, path)
-            return best
-    except (OSError, ValueError, KeyError, TypeError):
-        pass                                 # not timed yet here, or an unreadable file
-    best = fastest(gemms, weights, what)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"gemm": best}))
-        os.replace(tmp, path)                # atomic: a concurrent start reads all or nothing
-    except OSError as exc:
-        log.warning("could not keep the %s GEMM choice in %s: %s", what, path, exc)
-    return best
+    """`fastest`, timed once per machine, weights' shapes and candidates and remembered
+    (`cpu_kernels.remembered`, in $PAGEDSERVE_CACHE_DIR/gemm/): later starts read the choice
+    instead of timing (1-2 s each)."""
+    return cpu_kernels.remembered(
+        "gemm", f"{what} GEMM", [[[list(w.shape), str(w.dtype)] for w in weights],
+                                 ENGINE_MARGIN, EVICT_BYTES], gemms,
+        lambda: fastest(gemms, weights, what))
 
 
 def time_packed_gemm(gemm: str, w: torch.Tensor, evict: torch.Tensor) -> float:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
 import subprocess
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -55,6 +57,48 @@ def build_key() -> str:
 
 def cache_root() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+
+
+def remembered(folder: str, what: str, key: list, choices: Sequence[str],
+               decide: Callable[[], str]) -> str:
+    """decide() -- one of `choices`, timed on this machine -- run once and remembered: kept in
+    $PAGEDSERVE_CACHE_DIR/<folder>/<what>-<hash>.json, the hash made of `key` (what is timed:
+    shapes, dtypes, candidates) and of what runs it (the thread count, the CPU's model and
+    flags, torch's version, this library's build), so later starts read it instead of
+    timing and make the same choice (the candidates round differently: a start must not
+    change a greedy output). A file that is unreadable or names no current choice is timed
+    again. Delete the folder to time everything again."""
+    cpu = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith(("model name", "flags")):
+                    cpu.append(ln.strip())
+                    if len(cpu) == 2:
+                        break
+    except OSError:
+        pass
+    build = build_key() if kernels() is not None else "none"
+    digest = hashlib.sha256(json.dumps(
+        [what, list(choices), key, torch.get_num_threads(), torch.__version__, cpu, build],
+        default=str).encode()).hexdigest()[:24]
+    path = cache_root() / folder / f"{what.replace(' ', '-')}-{digest}.json"
+    try:
+        best = json.loads(path.read_text())["choice"]
+        if best in choices:
+            log.info("%s: %s (timed at an earlier start: %s)", what, best, path)
+            return best
+    except (OSError, ValueError, KeyError, TypeError):
+        pass                                 # not timed yet here, or an unreadable file
+    best = decide()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"choice": best}))
+        os.replace(tmp, path)                # atomic: a concurrent start reads all or nothing
+    except OSError as exc:
+        log.warning("could not keep the %s choice in %s: %s", what, path, exc)
+    return best
 
 
 def _load() -> ctypes.CDLL:

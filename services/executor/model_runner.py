@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.attention import AttentionMetadata
+from services.executor.attention import AttentionMetadata, pick_prefill_paths
 from services.executor.config import ExecutorConfig, ExecutorConfigError
 from services.executor.cpu_gemm import auto_cpu_dtype
 from services.executor.cuda_graphs import DecodeGraphs, GraphCaptureError
@@ -102,6 +102,10 @@ class ModelRunner:
             self.model.group = self.group
         self.packed_weights = self.model.pack_for_cpu()   # CPU: MKL or oneDNN packed GEMM
         self.args = self.model.args                       # this rank's slice of the heads
+        # CPU: the C prefill attention kernel or SDPA, whichever is faster here (remembered)
+        self.prefill_kernel = (pick_prefill_paths(
+            self.args.num_heads, self.args.num_kv_heads, self.args.head_dim, self.dtype,
+            self.kv_dtype, self.block_size) if self.device.type == "cpu" else (False, False))
         self.eos_token_id = args.eos_token_ids[0] if args.eos_token_ids else None
         one = block_bytes(self.args.num_layers, self.block_size, self.args.num_kv_heads,
                           self.args.head_dim, self.kv_dtype)
@@ -239,6 +243,7 @@ class ModelRunner:
         if hidden is None:
             meta = AttentionMetadata.build([st.block_table for st in states], computed,
                                            num_tokens, self.block_size, self.device)
+            meta.prefill_kernel = self.prefill_kernel
             ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
         if not self.is_driver:

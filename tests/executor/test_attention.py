@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 from services.executor import cpu_kernels
@@ -244,3 +245,69 @@ def test_c_prefill_kernel_over_the_pool_matches_sdpa(dtype, cache_dtype, rel, ab
         enable_gqa=True)[0].transpose(0, 1)
     assert ((out[:n].double() - ref).abs() <= ref.abs() * rel + abs_).all()
     assert (out[n] == 7.0).all()
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+@pytest.mark.parametrize("paths", [(True, True), (False, False), (True, False), (False, True)])
+def test_prefill_chunks_take_the_path_the_metadata_names(monkeypatch, paths):
+    """meta.prefill_kernel = (fresh, continuing) sends those chunks to the C kernel and the
+    others to SDPA, with the oracle's result either way."""
+    chunks = [(9, 1), (0, 13), (17, 6), (0, 2), (40, 9)]
+    q, k, v, kc, vc, meta = _batch(torch.float32, chunks)
+    write_kv(k, v, kc, vc, meta)
+    meta.prefill_kernel = paths
+    called = []
+    real = cpu_kernels.prefill_attention
+
+    def spy(*args, table=None, **kw):
+        called.append(table is not None)
+        return real(*args, table=table, **kw)
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", spy)
+    out = paged_attention(q, k, v, kc, vc, meta, D ** -0.5)
+    assert called == [p for p in (False, True, False, True) if paths[p]]
+    ref = reference.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, D ** -0.5)
+    assert (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_the_faster_prefill_path_is_timed_once_and_remembered(monkeypatch, tmp_path):
+    """pick_prefill_paths times the kernel against SDPA on chunks of the model's heads: a
+    kernel slowed down loses to SDPA, an SDPA slowed down to the kernel; the choice is kept
+    under PAGEDSERVE_CACHE_DIR and read back untimed; PAGEDSERVE_PREFILL_ATTENTION forces
+    one."""
+    import time
+
+    from services.executor import attention
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDSERVE_PREFILL_ATTENTION", raising=False)
+    real_kernel, real_sdpa = cpu_kernels.prefill_attention, F.scaled_dot_product_attention
+    slow = {"kernel": False, "sdpa": True}
+
+    def kernel(*a, **kw):
+        if slow["kernel"]:
+            time.sleep(0.004)
+        return real_kernel(*a, **kw)
+
+    def sdpa(*a, **kw):
+        if slow["sdpa"]:
+            time.sleep(0.004)
+        return real_sdpa(*a, **kw)
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", kernel)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    shape = (4, 2, 16, torch.float32, torch.float32, 4)
+    assert attention.pick_prefill_paths(*shape) == (True, True)
+    slow.update(kernel=True, sdpa=False)
+    assert attention.pick_prefill_paths(*shape) == (True, True)           # remembered
+    assert attention.pick_prefill_paths(4, 2, 32, *shape[3:]) == (False, False)  # other heads
+    timed = []
+    monkeypatch.setattr(attention, "_faster_prefill", lambda *a: timed.append(a) or "sdpa")
+    assert attention.pick_prefill_paths(*shape) == (True, True) and not timed
+    for kept in (tmp_path / "attention").iterdir():
+        kept.write_text("{not json")
+    assert attention.pick_prefill_paths(*shape) == (False, False) and len(timed) == 2
+    monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", "kernel")
+    assert attention.pick_prefill_paths(*shape) == (True, True)
+    monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", "sdpa")
+    assert attention.pick_prefill_paths(*shape) == (False, False)

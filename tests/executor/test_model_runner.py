@@ -389,7 +389,7 @@ def test_the_gemm_choice_is_timed_once_per_machine_and_shapes_and_remembered(mon
     timed.clear()
     kept.write_text("{not json")
     assert cpu_gemm.pick_fp32_gemm(weights) == "onednn" and len(timed) == 3
-    assert json.loads(kept.read_text()) == {"gemm": "onednn"}             # kept again
+    assert json.loads(kept.read_text()) == {"choice": "onednn"}           # kept again
     timed.clear()
     usable.remove("onednn")              # e.g. found wrong here: the choice is timed again
     assert cpu_gemm.pick_fp32_gemm(weights) == "mkl" and sorted(timed) == ["engine", "mkl"]
