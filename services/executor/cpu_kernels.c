@@ -229,6 +229,51 @@ static inline __attribute__((always_inline)) vec_t sum_lanes(const vec_t *a) {
 #endif
 }
 
+/* A bf16 cache in the vector kernel is read 2 VW values at a time as VW 32-bit lanes,
+ * lane i holding value 2i in its low half and 2i + 1 in its high half: `split_even` (a
+ * shift) and `split_odd` (a mask) widen the two halves to fp32 with one instruction per VW
+ * values, where `load_vec` takes two (a zero-extension and a shift). The query and the
+ * output rows are kept in the same order, per 2 VW values [the even ones | the odd ones]
+ * (`split_row`, `merge_row`): the dot products take the same terms. */
+static inline int split_layout(int bf16, int64_t d) { return bf16 && d % (2 * GEMM_VW) == 0; }
+
+#if GEMM_VW == 16
+typedef __m512i pairs_t;
+static inline vec_t split_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+static inline vec_t split_odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline __m512i load_pairs(const void *p) { return _mm512_loadu_si512(p); }
+#else
+typedef __m256i pairs_t;
+static inline vec_t split_even(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+static inline vec_t split_odd(__m256i x) {
+    return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline __m256i load_pairs(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#endif
+
+/* dst[0, d) = src[0, d) * scale in the split order (above). */
+static inline void split_row(float *dst, const float *src, int64_t d, float scale) {
+    for (int64_t c = 0; c < d; c += 2 * GEMM_VW)
+        for (int64_t i = 0; i < GEMM_VW; i++) {
+            dst[c + i] = src[c + 2 * i] * scale;
+            dst[c + GEMM_VW + i] = src[c + 2 * i + 1] * scale;
+        }
+}
+
+/* row[0, d), in the split order, back to the natural one, times `scale`, in place. */
+static inline void merge_row(float *row, int64_t d, float scale) {
+    float tmp[2 * GEMM_VW];
+    for (int64_t c = 0; c < d; c += 2 * GEMM_VW) {
+        for (int64_t i = 0; i < GEMM_VW; i++) {
+            tmp[2 * i] = row[c + i] * scale;
+            tmp[2 * i + 1] = row[c + GEMM_VW + i] * scale;
+        }
+        memcpy(row + c, tmp, sizeof tmp);
+    }
+}
+
 #define ATT_VC 8         /* accumulators of the p . V loop: d is taken 8 vectors at a time */
 
 static inline __attribute__((always_inline)) void
@@ -238,6 +283,7 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
     const int64_t VW = GEMM_VW;
     int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
     int64_t nblk = (ctx + bs - 1) / bs, esize = bf16 ? 2 : 4;
+    int split = split_layout(bf16, d);      /* q arrives split, out is merged at the end */
     float inv[MAX_HEADS];
     for (int pass = 0; pass < 2; pass++) {       /* 0: scores = q . k;  1: out += p . v */
         const void *cache = pass ? vc : kc;
@@ -267,11 +313,22 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                                 rows[t] = hb + (o + t < n ? o + t : o) * row_bytes;
                                 acc[t] = V_ZERO();
                             }
-                            for (int64_t c = 0; c < d; c += VW) {
-                                vec_t qv = V_LOADU(qj + c);
-                                for (int t = 0; t < VW; t++)
-                                    acc[t] = V_FMA(qv, load_vec(rows[t], c, bf16), acc[t]);
-                            }
+                            if (split)
+                                for (int64_t c = 0; c < d; c += 2 * VW) {
+                                    vec_t qe = V_LOADU(qj + c), qo = V_LOADU(qj + c + VW);
+                                    for (int t = 0; t < VW; t++) {
+                                        pairs_t x = load_pairs(
+                                            (const uint16_t *)rows[t] + c);
+                                        acc[t] = V_FMA(qe, split_even(x), acc[t]);
+                                        acc[t] = V_FMA(qo, split_odd(x), acc[t]);
+                                    }
+                                }
+                            else
+                                for (int64_t c = 0; c < d; c += VW) {
+                                    vec_t qv = V_LOADU(qj + c);
+                                    for (int t = 0; t < VW; t++)
+                                        acc[t] = V_FMA(qv, load_vec(rows[t], c, bf16), acc[t]);
+                                }
                             V_MSTORE(sc + j * max_len + t0 + o, lanes(n - o), sum_lanes(acc));
                         }
                     } else {
@@ -285,10 +342,19 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                             for (int64_t o = 0; o < n; o++) {
                                 vec_t pv = V_SET1(p[o]);
                                 const char *row = hb + o * row_bytes;
-                                for (int c = 0; c < ATT_VC; c++)
-                                    if (c < nc)
-                                        acc[c] = V_FMA(pv, load_vec(row, c0 + c * VW, bf16),
-                                                       acc[c]);
+                                if (split)              /* nc is even: d % (2 VW) == 0 */
+                                    for (int c = 0; c < ATT_VC; c += 2) {
+                                        if (c >= nc) break;
+                                        pairs_t x = load_pairs(
+                                            (const uint16_t *)row + c0 + c * VW);
+                                        acc[c] = V_FMA(pv, split_even(x), acc[c]);
+                                        acc[c + 1] = V_FMA(pv, split_odd(x), acc[c + 1]);
+                                    }
+                                else
+                                    for (int c = 0; c < ATT_VC; c++)
+                                        if (c < nc)
+                                            acc[c] = V_FMA(pv, load_vec(row, c0 + c * VW,
+                                                                        bf16), acc[c]);
                             }
                             for (int c = 0; c < ATT_VC; c++)
                                 if (c < nc) V_STOREU(oj + c0 + c * VW, acc[c]);
@@ -299,7 +365,10 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
         if (!pass) softmax_rows(sc, hq, ctx, max_len, inv);
     }
     for (int64_t j = 0; j < hq; j++)
-        for (int64_t i = 0; i < d; i++) out[j * d + i] *= inv[j];
+        if (split)
+            merge_row(out + j * d, d, inv[j]);
+        else
+            for (int64_t i = 0; i < d; i++) out[j * d + i] *= inv[j];
 }
 #endif
 
@@ -335,6 +404,11 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     for (int64_t b = 0; b < B; b++) {
         float *sc = scratch + (int64_t)omp_get_thread_num() * hq * max_len;
         float qs[MAX_ROW];
+#ifdef GEMM_VW
+        if (split_layout(dtype_bf16, d))     /* attend_vec_impl's order for a bf16 cache */
+            for (int64_t j = 0; j < hq; j++) split_row(qs + j * d, q + b * q_ld + j * d, d, scale);
+        else
+#endif
         for (int64_t i = 0; i < hq * d; i++) qs[i] = q[b * q_ld + i] * scale;
         attend(qs, k_cache, v_cache, dtype_bf16, tables + b * max_blocks, lens[b],
                bs, hq, hkv, d, sc, max_len, out + b * hq * d);
