@@ -668,7 +668,11 @@ def _given(args: argparse.Namespace, flag: str) -> bool:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now. With SO_REUSEADDR, as the gateway,
+    gRPC and ZeroMQ bind: the connections a server closed linger on its port for a minute
+    (FIN-WAIT-2, TIME-WAIT) after it exits and do not count; another listener does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port))
             return True

@@ -246,3 +246,28 @@ def test_start_up_ends_at_once_when_a_service_starting_beside_it_exits():
         loading.kill()
         loading.wait()
         stack.stop()
+
+
+def test_a_port_whose_server_just_exited_is_free_while_a_listener_makes_it_taken():
+    """A server that closed its connections first leaves them on its port (FIN-WAIT-2,
+    TIME-WAIT) for a minute after it stops listening: the launcher's check must not call
+    that port in use (a `serve` right after the last one stopped), but a live listener is."""
+    from services.launcher import _port_free
+
+    port = free_port()
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    assert not _port_free("127.0.0.1", port)            # listening
+    conn.close()                                         # the server closes first
+    srv.close()
+    plain = socket.socket()        # the connection lingers: a plain bind is refused
+    with pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))
+    plain.close()
+    assert _port_free("127.0.0.1", port)
+    assert _port_free("0.0.0.0", port)
+    client.close()
