@@ -198,6 +198,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 _prefill_scratch = torch.empty(0)
+# The scratch is kept between calls up to this size (no page faults per layer); a longer
+# context's (8 KV heads of 128 at 32k tokens: 270 MB) is allocated for its call and given
+# back, so that one long prompt does not hold it for the life of the process.
+PREFILL_SCRATCH_KEEP_BYTES = 64 << 20
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -230,14 +234,17 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     need = lib.prefill_scratch_floats(start + n, hkv, d, threads)
     if need <= 0:
         return False
-    if _prefill_scratch.numel() < need:   # kept between calls: no page faults per layer
-        _prefill_scratch = torch.empty(need, dtype=torch.float32)
+    scratch = _prefill_scratch
+    if scratch.numel() < need:
+        scratch = torch.empty(need, dtype=torch.float32)
+        if need * 4 <= PREFILL_SCRATCH_KEEP_BYTES:
+            _prefill_scratch = scratch
     return lib.prefill_attention(
         query.data_ptr(), query.stride(0), int(query.dtype == torch.bfloat16), key.data_ptr(),
         value.data_ptr(), hkv * d if paged else key.stride(0),
         int(key.dtype == torch.bfloat16), table.data_ptr() if paged else None,
         key.shape[1] if paged else 0, start, out.data_ptr(), out.stride(0), n, hq, hkv, d,
-        scale, _prefill_scratch.data_ptr(), threads) == 0
+        scale, scratch.data_ptr(), threads) == 0
 
 
 def add_rms_norm(residual: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,

@@ -311,3 +311,27 @@ def test_the_faster_prefill_path_is_timed_once_and_remembered(monkeypatch, tmp_p
     assert attention.pick_prefill_paths(*shape) == (True, True)
     monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", "sdpa")
     assert attention.pick_prefill_paths(*shape) == (False, False)
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_the_prefill_scratch_is_kept_up_to_a_size_and_a_longer_one_given_back(monkeypatch):
+    """A chunk's scratch (its context's keys and values in fp32) stays for the next calls
+    while it is at most PREFILL_SCRATCH_KEEP_BYTES; a longer context's is used for its call
+    only, with the same result."""
+    monkeypatch.setattr(cpu_kernels, "_prefill_scratch", torch.empty(0))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(40, h, 64, generator=g) for h in (4, 2, 2))
+    scale = 64 ** -0.5
+    out = torch.empty_like(q)
+    assert cpu_kernels.prefill_attention(q[:8], k[:8], v[:8], out[:8], scale)
+    kept = cpu_kernels._prefill_scratch
+    assert kept.numel() > 0
+    assert cpu_kernels.prefill_attention(q[:4], k[:4], v[:4], out[:4], scale)
+    assert cpu_kernels._prefill_scratch is kept                   # reused, not grown
+    monkeypatch.setattr(cpu_kernels, "PREFILL_SCRATCH_KEEP_BYTES", kept.numel() * 4)
+    assert cpu_kernels.prefill_attention(q, k, v, out, scale)     # needs more than kept
+    assert cpu_kernels._prefill_scratch is kept
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=True).transpose(0, 1)
+    assert (out - ref).abs().max() < 1e-5
