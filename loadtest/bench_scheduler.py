@@ -98,10 +98,8 @@ def bench(num_seqs: int, steps: int, block_size: int = 16, seed: int = 0,
     if gc_freeze:
         # As the scheduler service does once it has started (its Scheduler, pool included, is
         # frozen; requests arrive later and are collected as usual).
-        from services.scheduler.service import GC_THRESHOLD
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLD)
+        from shared.heap import settle_heap
+        settle_heap()
     for i, (p, _) in enumerate(lengths):
         prompt = [100 + (i * 31 + j) % 40000 for j in range(p)]
         sched.add_request(GenerationRequest(f"b{i}", prompt,

@@ -115,7 +115,7 @@ def run_once(streams: int, rounds: int) -> dict:
             tasks.append(asyncio.create_task(stream(scope, receive, send)))
         await asyncio.sleep(0)               # every response waits for its first output
         try:   # the gateway process's collector settings (start-up heap frozen)
-            from services.gateway.servers import settle_heap
+            from shared.heap import settle_heap
             settle_heap()
         except ImportError:
             pass

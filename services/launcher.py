@@ -343,7 +343,7 @@ def _serve_gateway(args, sock: socket.socket | None = None) -> None:
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from services.gateway.limits import uvicorn_options
-    from services.gateway.servers import settle_heap
+    from shared.heap import settle_heap
     cfg = gateway_config(args)
     config = uvicorn.Config(create_app(cfg), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False,

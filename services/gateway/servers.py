@@ -17,7 +17,6 @@ restarts the whole gateway), and passes SIGTERM / SIGINT on to the servers.
 """
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -25,7 +24,7 @@ import signal
 import socket
 from typing import Callable
 
-GC_THRESHOLD = (20_000, 50, 100)   # young collections every 20k allocations while serving
+
 MAX_AUTO_SERVERS = 8
 CORES_PER_AUTO_SERVER = 4     # the rest go to the executor, scheduler and Redis
 
@@ -35,16 +34,6 @@ def api_server_count(requested: int) -> int:
     if requested > 0:
         return requested
     return max(1, min(MAX_AUTO_SERVERS, (os.cpu_count() or 1) // CORES_PER_AUTO_SERVER))
-
-
-def settle_heap() -> None:
-    """Call once the app is loaded, before serving. NOTE: the tokenizer and modules loaded
-    so far stay for the process's life: frozen out of the collector, they are not rescanned
-    by the collections that the per-token objects trigger (the scheduler service does the
-    same). Process-wide: for a gateway process, not for an app embedded in another one."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

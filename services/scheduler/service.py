@@ -26,7 +26,6 @@ recovery.py, and docs/reliability.md.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import socket
@@ -45,6 +44,7 @@ from services.scheduler.scheduler import AdmissionError, Scheduler
 from services.scheduler.sequence import SequenceGroup
 from services.scheduler.snapshot import DashboardPublisher
 from shared.control import ExecutorClient, owner_identity
+from shared.heap import settle_heap
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
 from shared.redis_keys import RedisKeys
@@ -55,8 +55,6 @@ log = logging.getLogger("pagedserve.scheduler")
 
 # A step still running after this long reads the request queue again (seconds).
 READ_DURING_STEP_S = 0.02
-# Young-generation GC threshold of the running service (see serve()); benchmarks reuse it.
-GC_THRESHOLD = (20_000, 50, 100)
 
 
 @dataclass(slots=True)
@@ -190,9 +188,7 @@ class SchedulerService:
         self.degraded = None
         # NOTE: the hot loop allocates many short-lived objects; long-lived start-up state
         # is frozen out of the collector and young collections run less often.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLD)
+        settle_heap()
         self.link.ensure_group()
         self.link.hold_claim()
         self.recovery.reclaim_pending(include_self=True)
