@@ -288,6 +288,20 @@ def executor_openmp_defaults() -> None:
 
 
 def _run_service(args) -> int:
+    from shared.model_source import ModelNotFound, resolve_model
+    try:
+        # Checked before anything starts (a gateway's --api-server-count processes and an
+        # executor's ranks would each print it otherwise); the scheduler reads the model's
+        # tokenizer only when a request needs it.
+        if args.command in ("gateway", "executor"):
+            resolve_model(args.model)
+        return _run_one_service(args)
+    except ModelNotFound as exc:             # a setting the user can fix: no traceback
+        print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_one_service(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "executor":
@@ -705,9 +719,11 @@ def _flags_for(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def _serve(args) -> int:
+    from shared.model_source import ModelNotFound, resolve_model
     try:
         scheduler_config(args)              # its settings are checked before anything starts
-    except ValueError as exc:
+        resolve_model(args.model)           # and the model is there
+    except (ValueError, ModelNotFound) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 2
     stack = Stack(args)

@@ -64,6 +64,14 @@ def resolve_model(name: str | None = None) -> ModelSource:
         return ModelSource(BUNDLED_NAME, None, bundled_gguf())
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise ModelNotFound(f"model {name!r} cannot be read: {exc.strerror}") from None
+        if magic != b"GGUF":
+            raise ModelNotFound(f"model {name!r} is not a GGUF file (it does not start with "
+                                "the GGUF magic bytes)")
         return ModelSource(path.stem, None, path)
     if path.is_dir() and (path / "config.json").exists():
         return ModelSource(path.name, path, None)

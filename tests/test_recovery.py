@@ -104,6 +104,24 @@ def test_an_explicit_port_in_use_is_refused_in_one_line_before_anything_starts()
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("service", ["serve", "gateway", "executor"])
+@pytest.mark.parametrize("model", ["missing.gguf", "not_gguf.gguf", "empty_folder"])
+def test_a_model_that_is_missing_or_not_a_model_is_refused_in_one_line(tmp_path, service,
+                                                                       model):
+    """`serve`, and a gateway or executor started alone, say in one line that --model is
+    missing or is no GGUF file (nothing started, no traceback), before loading anything."""
+    (tmp_path / "not_gguf.gguf").write_text("hello")
+    (tmp_path / "empty_folder").mkdir()
+    path = tmp_path / model
+    done = subprocess.run([sys.executable, "-m", "services.launcher", service, "--model",
+                           str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0], done.stderr
+    assert ("not a GGUF file" if model == "not_gguf.gguf" else "not found") in lines[0]
+    assert lines[0].startswith("pagedserve" + ("" if service == "serve" else f" {service}"))
+
+
 def test_sigterm_stops_every_child_and_no_secret_is_on_a_command_line():
     """API keys and the control token reach the services in their environment only."""
     s = Serve("--max-num-seqs", "2", env={"PAGEDSERVE_API_KEYS": "sk-secret-test"})
