@@ -37,6 +37,14 @@ log = logging.getLogger("pagedserve")
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # (flag, env var, default, type, help). One table, shared by `serve` and each service.
+def count(raw: str) -> int:
+    """A flag's value that counts something: an integer >= 0."""
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"{raw!r} is negative")
+    return value
+
+
 _COMMON = [
     ("--redis-url", "REDIS_URL", None, str, "Redis URL (serve: start a private redis-server if unset)"),
     ("--redis-prefix", "PAGEDSERVE_REDIS_PREFIX", "pagedserve", str, "prefix of every Redis key"),
@@ -67,7 +75,7 @@ _GATEWAY = [
      "open requests of one API key (or client address) before 429 (0: no limit)"),
     ("--key-max-tokens", "PAGEDSERVE_KEY_MAX_TOKENS", 0, int,
      "tokens (prompt + max_tokens per sequence) one key's open requests may hold (0: no limit)"),
-    ("--api-server-count", "PAGEDSERVE_API_SERVER_COUNT", 0, int,
+    ("--api-server-count", "PAGEDSERVE_API_SERVER_COUNT", 0, count,
      "gateway processes sharing --port (0: one per 4 cores, 1 to 8)"),
 ]
 _SCHEDULER = [
@@ -158,7 +166,7 @@ class _EnvValue(str):
         return value
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number"}
+_TYPE_NAMES = {int: "an integer", float: "a number", count: "an integer >= 0"}
 
 
 def _names(values: list[str]) -> list[str]:

@@ -28,6 +28,7 @@ def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
     ("PAGEDSERVE_PORT", "80.5", "an integer", ["gateway"]),
     ("PAGEDSERVE_KV_CACHE_GIB", "lots", "a number", ["executor"]),
     ("PAGEDSERVE_MAX_NUM_SEQS", "many", "an integer", ["scheduler"]),
+    ("PAGEDSERVE_API_SERVER_COUNT", "-1", "an integer >= 0", ["gateway"]),
 ])
 def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kind, argv):
     done = launch(*argv, **{var: value})
@@ -78,6 +79,15 @@ def test_a_malformed_flag_keeps_argparse_own_message():
     done = launch("gateway", "--port", "x")
     assert done.returncode == 2
     assert "argument --port: invalid int value: 'x'" in done.stderr
+
+
+def test_a_negative_api_server_count_is_refused_before_anything_starts():
+    """`--api-server-count` counts processes: 0 sizes it to the cores, below 0 is an error
+    (it was taken as 0)."""
+    done = launch("serve", "--api-server-count", "-2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "argument --api-server-count: invalid count value: '-2'" in done.stderr
+    assert build_parser().parse_args(["gateway", "--api-server-count", "0"]).api_server_count == 0
 
 
 def test_served_model_names_and_the_resume_grace_reach_the_gateway(monkeypatch):
