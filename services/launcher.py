@@ -345,6 +345,11 @@ def _run_one_service(args) -> int:
             return 2
         return run(config)
     elif args.command == "gateway":
+        try:
+            gateway_config(args).check()
+        except ValueError as exc:            # a setting the user can fix: no traceback
+            print(f"pagedserve gateway: {exc}", file=sys.stderr)
+            return 2
         if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
             print(f"pagedserve gateway: {too_old}", file=sys.stderr)
             return 2
@@ -730,6 +735,7 @@ def _serve(args) -> int:
     from shared.model_source import ModelNotFound, resolve_model
     try:
         scheduler_config(args)              # its settings are checked before anything starts
+        gateway_config(args).check()        # as are the gateway's
         resolve_model(args.model)           # and the model is there
     except (ValueError, ModelNotFound) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)

@@ -45,16 +45,21 @@ def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kin
     (["scheduler", "--async-scheduling", "maybe"], "async_scheduling must be auto, on or off"),
     (["serve", "--policy", "lifo"], "policy must be one of"),
     (["serve", "--async-scheduling", "maybe"], "async_scheduling must be auto, on or off"),
+    (["serve", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+    (["serve", "--limit-concurrency", "-1"], "--limit-concurrency must be >= 1, got -1"),
+    (["serve", "--send-timeout-s", "0"], "--send-timeout-s must be > 0, got 0.0"),
+    (["serve", "--key-max-tokens", "-5"], "--key-max-tokens must be >= 0, got -5"),
+    (["gateway", "--resume-grace-s", "-1"], "--resume-grace-s must be >= 0, got -1.0"),
+    (["gateway", "--port", "70000"], "--port must be at most 65535, got 70000"),
 ])
-def test_a_bad_scheduler_setting_is_one_line_with_status_2_before_anything_starts(argv,
-                                                                                   message):
+def test_a_bad_setting_is_one_line_with_status_2_before_anything_starts(argv, message):
     done = launch(*argv)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
-    assert lines[0].startswith("pagedserve scheduler: " if argv[0] == "scheduler"
-                               else "pagedserve: ")
+    assert lines[0].startswith("pagedserve: " if argv[0] == "serve"
+                               else f"pagedserve {argv[0]}: ")
 
 
 def test_a_flag_wins_over_a_malformed_env_value(monkeypatch):

@@ -428,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     config = GatewayConfig.from_argv(argv)
+    try:
+        config.check()
+    except ValueError as exc:
+        print(f"pagedserve gateway: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

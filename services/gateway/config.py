@@ -66,6 +66,22 @@ class GatewayConfig:
     key_max_tokens: int = 0                # tokens one key's open requests may hold (prompt +
     # max_tokens per sequence); more get 429, a single request above it 400
 
+    def check(self) -> None:
+        """ValueError naming the first setting out of its range (checked at start, before
+        anything listens): counts that would refuse every request (a queue, connections or
+        bodies of 0) must be >= 1, timeouts > 0, every other number >= 0."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            least, strict = (1, False) if f.name in _AT_LEAST_ONE else (
+                (0, True) if f.name in _POSITIVE else (0, False))
+            if value < least or (strict and value == least):
+                need = "> 0" if strict else f">= {least}"
+                raise ValueError(f"--{f.name.replace('_', '-')} must be {need}, got {value}")
+        if self.port > 65535:
+            raise ValueError(f"--port must be at most 65535, got {self.port}")
+
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, env: dict[str, str] | None = None
                   ) -> "GatewayConfig":
@@ -87,6 +103,14 @@ class GatewayConfig:
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
                                 default=value, help=f"[env {var}, default {default!r}]")
         return cls(**vars(parser.parse_args(argv)))
+
+
+# GatewayConfig.check: counts where 0 would refuse every request, and timeouts
+_AT_LEAST_ONE = {"max_queue", "redis_max_connections", "request_stream_maxlen", "max_model_len",
+                 "max_body_bytes", "max_n", "max_stop_chars", "max_prompts", "read_block_ms",
+                 "limit_concurrency"}
+_POSITIVE = {"keepalive_s", "heartbeat_fresh_s", "scheduler_gone_s", "stall_check_s",
+             "request_timeout_s", "header_timeout_s", "body_timeout_s", "send_timeout_s"}
 
 
 def _keys(raw: str) -> list[str]:
