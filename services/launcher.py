@@ -36,7 +36,6 @@ log = logging.getLogger("pagedserve")
 # ("epoll_wait: Bad file descriptor"); the children exec at once and need none of them.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-# (flag, env var, default, type, help). One table, shared by `serve` and each service.
 def count(raw: str) -> int:
     """A flag's value that counts something: an integer >= 0."""
     value = int(raw)
@@ -45,6 +44,7 @@ def count(raw: str) -> int:
     return value
 
 
+# (flag, env var, default, type, help). One table, shared by `serve` and each service.
 _COMMON = [
     ("--redis-url", "REDIS_URL", None, str, "Redis URL (serve: start a private redis-server if unset)"),
     ("--redis-prefix", "PAGEDSERVE_REDIS_PREFIX", "pagedserve", str, "prefix of every Redis key"),

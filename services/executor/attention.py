@@ -250,24 +250,13 @@ def _faster_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     g = torch.Generator().manual_seed(0)
     q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
-    if paged:
-        nblocks = -(-context // block_size)
-        k = torch.randn(nblocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
-        v = torch.randn(nblocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
-        table = torch.randperm(nblocks, generator=g).to(torch.int32)
-        chunk = PrefillChunk(0, n, context, table, torch.arange(context)[None, :]
-                             <= torch.arange(context - n, context)[:, None])
-        pools, own = (k, v), (None, None)
-    else:
-        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
-        chunk = PrefillChunk(0, n, n, None, None)
-        pools, own = (k.unsqueeze(1), v.unsqueeze(1)), (k, v)    # the pools go unread
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64),
-                             block_tables=torch.empty(0, 0, dtype=torch.int32),
-                             seq_lens=torch.empty(0, dtype=torch.int32),
-                             query_start_loc=torch.empty(0, dtype=torch.int32),
-                             prefills=[chunk])
+    nblocks = -(-context // block_size)
+    # the chunk's metadata as a step builds it: its blocks in shuffled order
+    meta = AttentionMetadata.build([torch.randperm(nblocks, generator=g).tolist()],
+                                   [context - n], [n], block_size, torch.device("cpu"))
+    pools = [torch.randn(nblocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
+             for _ in range(2)]
+    own = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
         for r in range(6):
