@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1038,10 +1039,41 @@ static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
 #undef TILE_DP
 }
 
+/* Panels done by a thread other than their owner, since the library was loaded. */
+static _Atomic int64_t panels_taken_over;
+int64_t gemm_panels_taken_over(void) { return atomic_load(&panels_taken_over); }
+
+/* The next unclaimed panel of one thread's share, on a cache line of its own. */
+typedef struct {
+    _Atomic int64_t next;
+    char pad[64 - sizeof(int64_t)];
+} panel_claim_t;
+
+/* Thread t's next panel *p, from the end *p1 of the run it is on: its own run first
+ * (*run = 0), then the runs of the threads after it. 0 when every panel is claimed. */
+static inline int claim_panel(panel_claim_t *claims, int t, int nt, int64_t panels, int *run,
+                              int64_t *p, int64_t *p1) {
+    for (; *run < nt; ++*run) {
+        int u = (t + *run) % nt;
+        *p1 = panels * (u + 1) / nt;
+        *p = atomic_fetch_add_explicit(&claims[u].next, 1, memory_order_relaxed);
+        if (*p < *p1) {
+            if (*run) atomic_fetch_add_explicit(&panels_taken_over, 1, memory_order_relaxed);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* x [M, K] rows `ldx` apart; packed by pack_panels; bias [N] (fp32) or NULL (and NULL
  * with EPI_GLU); y [M, N] rows `ldy` apart, or [M, I] with EPI_GLU (N = 2I). With bf = 1,
- * x, the panels and y are bf16. Returns 0, or -1 when the buffer of x tiles cannot be
- * allocated. */
+ * x, the panels and y are bf16. Returns 0, or -1 when a buffer cannot be allocated.
+ *
+ * Each thread owns an equal run of panels and takes them in order, one claim (an atomic
+ * add on its own counter) per panel; a thread done with its run takes the panels the
+ * others have not claimed yet. Alone on its cores every thread does its own run, as a
+ * static split would; when the OS gives a thread's core to another process for a while,
+ * its partner does its remaining panels instead of waiting at the barrier. */
 static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
                 int64_t n, const float *bias, void *y, int64_t ldy, int epi, int bf,
                 int num_threads) {
@@ -1057,12 +1089,18 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
     /* x in tiles [K][rows] (fp32): the micro-kernel's row values for one k-step are
      * adjacent */
     float *xp = aligned_alloc(64, (size_t)((block * k * 4 + 63) / 64 * 64));
-    if (!xp) return -1;
+    panel_claim_t *claims = aligned_alloc(64, sizeof(panel_claim_t) * (size_t)num_threads);
+    if (!xp || !claims) {
+        free(xp);
+        free(claims);
+        return -1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         for (int64_t i0 = 0; i0 < m; i0 += block) {
+            /* (every thread passed the last block's barrier: no claim on it is pending) */
+            atomic_store_explicit(&claims[t].next, panels * t / nt, memory_order_relaxed);
             int64_t i1 = i0 + block < m ? i0 + block : m;
             /* equal tiles: 64 rows are 13+13+13+13+12, not 14+14+14+14+8 */
             int64_t tiles = (i1 - i0 + GEMM_MR - 1) / GEMM_MR;
@@ -1088,7 +1126,9 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
                         dst[kk * mr + r] = bf ? bf2f(((const uint16_t *)x)[(i + r) * ldx + kk])
                                               : ((const float *)x)[(i + r) * ldx + kk];
             }                                        /* (the loop ends with a barrier) */
-            for (int64_t p = p0; p < p1; p++) {
+            for (int run = 0;;) {
+                int64_t p, p1;
+                if (!claim_panel(claims, t, nt, panels, &run, &p, &p1)) break;
                 const char *panel = (const char *)packed + p * pstride;
                 const char *next = p + 1 < p1 ? panel + pstride : panel;
                 int64_t ncols = n - p * cols < cols ? n - p * cols : cols;
@@ -1108,6 +1148,7 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
         }
     }
     free(xp);
+    free(claims);
     return 0;
 }
 
@@ -1127,6 +1168,7 @@ int linear_packed_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
 }
 #else
 int linear_packed_available(void) { return 0; }
+int64_t gemm_panels_taken_over(void) { return 0; }
 int linear_packed_nr(void) { return 0; }
 void pack_linear_weight(const float *w, int64_t n, int64_t k, int glu, float *out,
                         int num_threads) {}

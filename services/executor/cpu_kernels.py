@@ -160,6 +160,8 @@ def _load() -> ctypes.CDLL:
     lib.pack_linear_weight_dp.restype = None
     lib.linear_packed_dp.argtypes = lib.linear_packed.argtypes
     lib.linear_packed_dp.restype = i32
+    lib.gemm_panels_taken_over.argtypes = []
+    lib.gemm_panels_taken_over.restype = i64
     return lib
 
 
@@ -365,6 +367,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
            cols, epi, torch.get_num_threads()):
         raise MemoryError("no memory for the GEMM's 1 MiB buffer")
     return y
+
+
+def panels_taken_over() -> int:
+    """Column panels of the packed GEMM done by a thread other than the one they were
+    dealt to (it was done with its own and the owner had not reached them), since the
+    library was loaded: how often a thread that lost its core was helped out."""
+    return int(kernels().gemm_panels_taken_over())
 
 
 def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,8 @@ get right: N not a multiple of the column panel (32 columns with AVX-512, 16 wit
 row counts around the row tile (14 rows, 6) and past the ~1 MiB row block, strided rows of x, bias or none, one thread or two."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,37 @@ def bf16_forms():
     GEMM), and bf16 dot products of k-pairs (dp, where the CPU has AVX-512 bf16)."""
     return [False, pytest.param(True, marks=pytest.mark.skipif(
         not cpu_kernels.dp_available(), reason="no AVX-512 bf16 dot products here"))]
+
+
+@pytest.mark.parametrize("form", ["fp32", "bf16", "dp"])
+def test_panels_a_busy_thread_has_not_reached_are_done_by_another_with_the_same_bits(form):
+    """More threads than cores: threads lose their core in the middle of a product, and
+    the others take over the panels they have not claimed yet. Whoever does a panel, the
+    product is the same bits as one thread's, and every column is written."""
+    if form == "dp" and not cpu_kernels.dp_available():
+        pytest.skip("no AVX-512 bf16 dot products here")
+    g = torch.Generator().manual_seed(7)
+    n, k = 4096 + 17, 576
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x = torch.randn(64, k, generator=g)
+    if form != "fp32":
+        w, x = w.bfloat16(), x.bfloat16()
+    packed = cpu_kernels.pack_linear(w, dp=form == "dp")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_kernels.linear(x, packed, n)
+        torch.set_num_threads(max(8, 4 * (os.cpu_count() or 1)))
+        start = cpu_kernels.panels_taken_over()
+        for _ in range(200):
+            out = torch.full((64, n), float("nan"), dtype=x.dtype)
+            cpu_kernels.linear(x, packed, n, out=out)
+            assert torch.equal(out, alone)
+            if cpu_kernels.panels_taken_over() > start:
+                break
+    finally:
+        torch.set_num_threads(before)
+    assert cpu_kernels.panels_taken_over() > start, "no thread ever took over a panel"
 
 
 @pytest.mark.parametrize("dp", bf16_forms())
