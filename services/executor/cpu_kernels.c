@@ -1111,20 +1111,26 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
             for (int64_t tile = 0; tile < tiles; tile++) {
                 int64_t i = i0 + tile * rows, mr = i1 - i < rows ? i1 - i : rows;
                 float *dst = xp + tile * rows * k;
-                if (bf == 2) {              /* [k-pairs][rows], two bf16 values in 32 bits */
-                    const uint16_t *x16 = (const uint16_t *)x;
-                    uint32_t *d2 = (uint32_t *)dst;
-                    for (int64_t kk = 0; kk < ks; kk++)
-                        for (int64_t r = 0; r < mr; r++) {
-                            const uint16_t *xr = x16 + (i + r) * ldx + 2 * kk;
-                            d2[kk * mr + r] = xr[0] | (2 * kk + 1 < k ? (uint32_t)xr[1] << 16 : 0);
+                /* row by row: each row of x is read in order (the prefetchers follow one
+                 * stream), its values written `mr` apart into the tile, which stays in L1 */
+                for (int64_t r = 0; r < mr; r++) {
+                    if (bf == 2) {          /* [k-pairs][rows], two bf16 values in 32 bits */
+                        const uint16_t *xr = (const uint16_t *)x + (i + r) * ldx;
+                        uint32_t *d2 = (uint32_t *)dst + r;
+                        for (int64_t kk = 0; kk < k / 2; kk++) {
+                            uint32_t pair;  /* x[2kk] in the low half, x[2kk + 1] high */
+                            memcpy(&pair, xr + 2 * kk, sizeof pair);
+                            d2[kk * mr] = pair;
                         }
-                    continue;
+                        if (k % 2) d2[(k / 2) * mr] = xr[k - 1];
+                    } else if (bf) {
+                        const uint16_t *xr = (const uint16_t *)x + (i + r) * ldx;
+                        for (int64_t kk = 0; kk < k; kk++) dst[kk * mr + r] = bf2f(xr[kk]);
+                    } else {
+                        const float *xr = (const float *)x + (i + r) * ldx;
+                        for (int64_t kk = 0; kk < k; kk++) dst[kk * mr + r] = xr[kk];
+                    }
                 }
-                for (int64_t kk = 0; kk < k; kk++)
-                    for (int64_t r = 0; r < mr; r++)
-                        dst[kk * mr + r] = bf ? bf2f(((const uint16_t *)x)[(i + r) * ldx + kk])
-                                              : ((const float *)x)[(i + r) * ldx + kk];
             }                                        /* (the loop ends with a barrier) */
             for (int run = 0;;) {
                 int64_t p, p1;
