@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,28 @@ _BUNDLED_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-1
 
 class ModelNotFound(FileNotFoundError):
     pass
+
+
+class ModelUnreadable(ModelNotFound):
+    """The model is there but cannot be read: a truncated or damaged file, a config.json
+    that is no JSON, weights the config does not describe. Raised from whatever the
+    reader raised, so that a start-up says it in one line, as it does a missing model."""
+
+
+@contextmanager
+def reading(what: str | Path):
+    """Turn what reading `what` (a model's file or folder) raises into ModelUnreadable."""
+    try:
+        yield
+    except ModelNotFound:
+        raise
+    except Exception as exc:
+        kind = type(exc).__name__
+        if kind.islower():                   # struct.error, not "error"
+            kind = f"{type(exc).__module__}.{kind}"
+        detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise ModelUnreadable(f"model {str(what)!r} cannot be read (a damaged or incomplete "
+                              f"file?): {kind}" + (f": {detail}" if detail else "")) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +143,15 @@ def _from_folder(folder: Path):
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer (with its chat template); cached beside the weights after first use."""
     if source.hf_dir is not None:
-        return _from_folder(source.hf_dir)
+        with reading(source.hf_dir):
+            return _from_folder(source.hf_dir)
     cache = source.cache_dir
     if (cache / "tokenizer_config.json").exists():
         return _from_folder(cache)
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(source.gguf_file.parent, gguf_file=source.gguf_file.name)
+    with reading(source.gguf_file):
+        tok = AutoTokenizer.from_pretrained(source.gguf_file.parent,
+                                            gguf_file=source.gguf_file.name)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + f".tok-{os.getpid()}")
     tok.save_pretrained(tmp)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from shared.control import ExecutorClient
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port, free_ports
 from tests.serve_stack import SERVICES, Serve
 from tests.test_faults import MODEL, Outcome, launch, stream, wait_until
 
@@ -120,6 +120,45 @@ def test_a_model_that_is_missing_or_not_a_model_is_refused_in_one_line(tmp_path,
     assert len(lines) == 1 and str(path) in lines[0], done.stderr
     assert ("not a GGUF file" if model == "not_gguf.gguf" else "not found") in lines[0]
     assert lines[0].startswith("pagedserve" + ("" if service == "serve" else f" {service}"))
+
+
+def _damaged_gguf(folder):
+    path = folder / "damaged.gguf"       # the magic bytes and version, then a cut-off header
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x05" * 21)
+    return path
+
+
+@pytest.mark.parametrize("service", ["gateway", "executor"])
+def test_a_damaged_gguf_is_refused_in_one_line(tmp_path, service):
+    """A .gguf with the right magic bytes and a cut-off header: the gateway (its tokenizer)
+    and the executor (its weights) each say in one line that it cannot be read."""
+    path = _damaged_gguf(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "services.launcher", service, "--model",
+                           str(path), "--log-level", "warning"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"pagedserve {service}: model {str(path)!r} cannot be read")
+
+
+def test_serve_with_a_damaged_gguf_stops_with_the_reason_and_no_traceback(tmp_path,
+                                                                          redis_server):
+    """Through `pagedserve serve`: the stack stops at start-up, saying why in a line of
+    its own, and no traceback reaches the terminal."""
+    path = _damaged_gguf(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.launcher", "serve", "--model", str(path),
+         "--redis-url", redis_server.url, "--port", str(free_port()),
+         "--grpc-port", str(free_port()), "--zmq-port", str(free_ports(2)),
+         "--redis-prefix", f"dmg{os.getpid()}", "--log-level", "warning"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"pagedserve executor: model {str(path)!r} cannot be read" in done.stderr
+    assert "executor exited with status 2 during start-up" in done.stderr
 
 
 def test_sigterm_stops_every_child_and_no_secret_is_on_a_command_line():

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from services.executor.llama import LlamaArgs, LlamaModel
 from services.executor.parallel import Shard
-from shared.model_source import ModelSource, load_tokenizer
+from shared.model_source import (ModelNotFound, ModelSource, ModelUnreadable, load_tokenizer,
+                                 reading)
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,8 @@ def ensure_hf_folder(source: ModelSource) -> Path:
     """A folder holding config.json + *.safetensors for `source`, converting a GGUF once."""
     if source.hf_dir is not None:
         if not any(source.hf_dir.glob("*.safetensors")):
-            raise FileNotFoundError(f"{source.hf_dir} has no *.safetensors weights: save the model "
-                                    "with save_pretrained(..., safe_serialization=True)")
+            raise ModelNotFound(f"{source.hf_dir} has no *.safetensors weights: save the model "
+                                "with save_pretrained(..., safe_serialization=True)")
         return source.hf_dir
     out = source.cache_dir
     if (out / WEIGHTS_FILE).exists() and (out / "config.json").exists():
@@ -56,8 +57,9 @@ def convert_gguf(source: ModelSource) -> Path:
     log.info("converting %s once into %s", source.gguf_file, out)
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(
-        source.gguf_file.parent, gguf_file=source.gguf_file.name, **{dtype_kw: torch.float32})
+    with reading(source.gguf_file):
+        model = AutoModelForCausalLM.from_pretrained(
+            source.gguf_file.parent, gguf_file=source.gguf_file.name, **{dtype_kw: torch.float32})
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     tied = cfg.get("tie_word_embeddings", False)
@@ -76,7 +78,9 @@ def convert_gguf(source: ModelSource) -> Path:
 
 
 def read_args(folder: Path) -> LlamaArgs:
-    return LlamaArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    with reading(folder / "config.json"):
+        config = json.loads((folder / "config.json").read_text())
+    return LlamaArgs.from_hf_config(config)
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -145,7 +149,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model
     bar = tqdm(total=len(targets), desc=f"loading {folder.name}", unit="tensor",
                disable=not progress)
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with reading(f), safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name not in targets:
                     continue    # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
@@ -157,13 +161,18 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_model
                     src = part[:, cols[0]:cols[1]]
                 else:
                     src = part[:]
+                want = (rows[1] - rows[0] if rows is not None else dst.shape[0],
+                        *dst.shape[1:])
+                if tuple(src.shape) != want:     # (a short tensor would fill part of dst)
+                    raise ValueError(f"{name} is {list(part.get_shape())} in the checkpoint, "
+                                     "which does not fit config.json")
                 dst[row:row + src.shape[0]].copy_(src)
                 missing.discard(name)
                 bar.update(1)
     bar.close()
     if missing:
-        raise ValueError(f"{folder} lacks {len(missing)} weights the config needs, e.g. "
-                         f"{sorted(missing)[:3]}: the checkpoint and config.json disagree")
+        raise ModelUnreadable(f"{folder} lacks {len(missing)} weights the config needs, e.g. "
+                              f"{sorted(missing)[:3]}: the checkpoint and config.json disagree")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed
     return model

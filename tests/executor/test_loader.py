@@ -149,3 +149,42 @@ def test_unsupported_architecture_is_refused_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModel, match="gpt2.*llama"):
         tiny_runner(tmp_path)
+
+
+def _damage(folder, how: str) -> str:
+    """Damage a saved tiny checkpoint; returns what the error must name."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    if how == "config_not_json":
+        (folder / "config.json").write_text('{"model_type": "llama", ')
+        return "config.json"
+    if how == "weights_cut_short":
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) // 2])
+        return "model.safetensors"
+    state = load_file(weights)
+    if how == "weight_missing":
+        del state["model.layers.1.mlp.down_proj.weight"]
+        save_file(state, weights, metadata={"format": "pt"})
+        return "lacks 1 weights"
+    assert how == "weight_of_another_shape"
+    # fewer rows than config.json says: read as it is, it would fill part of the weight
+    state["model.layers.0.mlp.gate_proj.weight"] = state["model.layers.0.mlp.gate_proj.weight"][:-8]
+    save_file(state, weights, metadata={"format": "pt"})
+    return "model.layers.0.mlp.gate_proj.weight"
+
+
+@pytest.mark.parametrize("how", ["config_not_json", "weights_cut_short", "weight_missing",
+                                 "weight_of_another_shape"])
+def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(tmp_path, how):
+    """A folder that is there but cannot be read raises ModelUnreadable (a ModelNotFound:
+    the launcher says it in one line), naming the file or the weight."""
+    from shared.model_source import ModelUnreadable
+
+    make_tiny_checkpoint(tmp_path)
+    names = _damage(tmp_path, how)
+    with pytest.raises(ModelUnreadable, match="cannot be read|lacks") as err:
+        tiny_runner(tmp_path)
+    assert names in str(err.value)
+    assert isinstance(err.value, ModelNotFound)
