@@ -678,15 +678,25 @@ int prefill_attention(const void *q, int64_t q_ld, int bf16, const void *k, cons
     float *kt = scratch, *vf = kt + hkv * d * np, *sbase = vf + hkv * nk * d;
 #pragma omp parallel num_threads(num_threads)
     {
+        /* K^T per KV head and V as fp32 rows, VW tokens at a time: K in squares of VW
+         * tokens x VW channels (each K row read in order; the square's VW lines of K^T,
+         * np floats apart, are on few pages), V row by row */
 #pragma omp for schedule(static)
-        for (int64_t hc = 0; hc < hkv * d; hc++) {      /* K^T per KV head; V as fp32 rows */
-            float *kr = kt + hc * np;
-            for (int64_t t = 0; t < nk; t++) {
-                int64_t row = table ? (int64_t)table[t / bs] * bs + t % bs : t;
-                kr[t] = elem(k, row * kv_ld + hc, kv_bf16);
-                vf[((hc / d) * nk + t) * d + hc % d] = elem(v, row * kv_ld + hc, kv_bf16);
-            }
-            for (int64_t t = nk; t < np; t++) kr[t] = 0.f;
+        for (int64_t t0 = 0; t0 < np; t0 += VW) {
+            int64_t rows[GEMM_VW];
+            for (int64_t t = t0; t < t0 + VW; t++)
+                rows[t - t0] = t >= nk ? -1 : table ? (int64_t)table[t / bs] * bs + t % bs : t;
+            for (int64_t hc0 = 0; hc0 < hkv * d; hc0 += VW)
+                for (int64_t t = t0; t < t0 + VW; t++) {
+                    int64_t row = rows[t - t0];
+                    for (int64_t hc = hc0; hc < hc0 + VW; hc++)
+                        kt[hc * np + t] = row < 0 ? 0.f : elem(k, row * kv_ld + hc, kv_bf16);
+                }
+            for (int64_t t = t0; t < t0 + VW && t < nk; t++)
+                for (int64_t h = 0; h < hkv; h++)
+                    for (int64_t c = 0; c < d; c++)
+                        vf[(h * nk + t) * d + c] =
+                            elem(v, rows[t - t0] * kv_ld + h * d + c, kv_bf16);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < hq * nt; it++) {
