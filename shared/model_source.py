@@ -46,7 +46,7 @@ def reading(what: str | Path):
         kind = type(exc).__name__
         if kind.islower():                   # struct.error, not "error"
             kind = f"{type(exc).__module__}.{kind}"
-        detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        detail = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ModelUnreadable(f"model {str(what)!r} cannot be read (a damaged or incomplete "
                               f"file?): {kind}" + (f": {detail}" if detail else "")) from exc
 
@@ -133,18 +133,18 @@ def _from_folder(folder: Path):
         cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         cls = None
-    if cls in GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").exists():
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(folder)
+    with reading(folder):
+        if cls in GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").exists():
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder)
 
 
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer (with its chat template); cached beside the weights after first use."""
     if source.hf_dir is not None:
-        with reading(source.hf_dir):
-            return _from_folder(source.hf_dir)
+        return _from_folder(source.hf_dir)
     cache = source.cache_dir
     if (cache / "tokenizer_config.json").exists():
         return _from_folder(cache)
