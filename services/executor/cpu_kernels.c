@@ -1049,6 +1049,81 @@ static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
 #undef TILE_DP
 }
 
+/* v[0..VW): VW rows of VW 32-bit values -> v[j] holds value j of every row, lane r from
+ * row r. Interleaved pairs of rows, then of pairs, then the 128-bit lanes of the groups of
+ * four rows gathered. */
+static inline __attribute__((always_inline)) void transpose_vw(vec_t *v) {
+#if GEMM_VW == 16
+    __m512 a[16], b[16];
+    for (int i = 0; i < 8; i++) {   /* per 128-bit lane L: rows 2i, 2i+1 at 4L, 4L+1 | +2, +3 */
+        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {   /* b[4i + m], lane L: rows 4i .. 4i+3 at 4L + m */
+        __m512d p0 = _mm512_castps_pd(a[4 * i]), p1 = _mm512_castps_pd(a[4 * i + 1]);
+        __m512d p2 = _mm512_castps_pd(a[4 * i + 2]), p3 = _mm512_castps_pd(a[4 * i + 3]);
+        b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
+        b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
+        b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
+        b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
+    }
+    for (int m = 0; m < 4; m++) {   /* value 4L + m: lane L of the four groups' b[4i + m] */
+        __m512 c = _mm512_shuffle_f32x4(b[m], b[4 + m], 0x44);
+        __m512 d = _mm512_shuffle_f32x4(b[m], b[4 + m], 0xEE);
+        __m512 e = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0x44);
+        __m512 f = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0xEE);
+        v[m] = _mm512_shuffle_f32x4(c, e, 0x88);
+        v[4 + m] = _mm512_shuffle_f32x4(c, e, 0xDD);
+        v[8 + m] = _mm512_shuffle_f32x4(d, f, 0x88);
+        v[12 + m] = _mm512_shuffle_f32x4(d, f, 0xDD);
+    }
+#else
+    __m256 a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        __m256d p0 = _mm256_castps_pd(a[4 * i]), p1 = _mm256_castps_pd(a[4 * i + 1]);
+        __m256d p2 = _mm256_castps_pd(a[4 * i + 2]), p3 = _mm256_castps_pd(a[4 * i + 3]);
+        b[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(p0, p2));
+        b[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(p0, p2));
+        b[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(p1, p3));
+        b[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(p1, p3));
+    }
+    for (int m = 0; m < 4; m++) {
+        v[m] = _mm256_permute2f128_ps(b[m], b[4 + m], 0x20);
+        v[4 + m] = _mm256_permute2f128_ps(b[m], b[4 + m], 0x31);
+    }
+#endif
+}
+
+/* A tile of x: dst[kk * mr + r] = value kk of row r (rows `row_bytes` apart from x0), kk <
+ * nk; 32-bit values (fp32, or the bf16 pairs of the dp kernel, copied as they are), or bf16
+ * widened (bf = 1). VW values of each row at a time, a VW x VW square transposed in
+ * registers and written as VW runs of mr values (each row read in order a vector at a
+ * time, the tile written in order). */
+static inline __attribute__((always_inline)) void
+copy_tile(const char *x0, int64_t row_bytes, int mr, int64_t nk, int bf, float *dst) {
+    const vmask_t m = lanes(mr);
+    int64_t kk = 0;
+    for (; kk + GEMM_VW <= nk; kk += GEMM_VW) {
+        vec_t v[GEMM_VW];
+        for (int r = 0; r < GEMM_VW; r++)
+            v[r] = r < mr ? load_vec(x0 + r * row_bytes, kk, bf) : V_ZERO();
+        transpose_vw(v);
+        for (int j = 0; j < GEMM_VW; j++) V_MSTORE(dst + (kk + j) * mr, m, v[j]);
+    }
+    for (; kk < nk; kk++)
+        for (int r = 0; r < mr; r++) {
+            const char *xr = x0 + r * row_bytes;
+            if (bf)
+                dst[kk * mr + r] = bf2f(((const uint16_t *)xr)[kk]);
+            else
+                memcpy(dst + kk * mr + r, xr + kk * 4, 4);
+        }
+}
+
 /* Panels done by a thread other than their owner, since the library was loaded. */
 static _Atomic int64_t panels_taken_over;
 int64_t gemm_panels_taken_over(void) { return atomic_load(&panels_taken_over); }
@@ -1121,25 +1196,15 @@ static int gemm(const void *x, int64_t m, int64_t k, int64_t ldx, const void *pa
             for (int64_t tile = 0; tile < tiles; tile++) {
                 int64_t i = i0 + tile * rows, mr = i1 - i < rows ? i1 - i : rows;
                 float *dst = xp + tile * rows * k;
-                /* row by row: each row of x is read in order (the prefetchers follow one
-                 * stream), its values written `mr` apart into the tile, which stays in L1 */
-                for (int64_t r = 0; r < mr; r++) {
-                    if (bf == 2) {          /* [k-pairs][rows], two bf16 values in 32 bits */
-                        const uint16_t *xr = (const uint16_t *)x + (i + r) * ldx;
-                        uint32_t *d2 = (uint32_t *)dst + r;
-                        for (int64_t kk = 0; kk < k / 2; kk++) {
-                            uint32_t pair;  /* x[2kk] in the low half, x[2kk + 1] high */
-                            memcpy(&pair, xr + 2 * kk, sizeof pair);
-                            d2[kk * mr] = pair;
-                        }
-                        if (k % 2) d2[(k / 2) * mr] = xr[k - 1];
-                    } else if (bf) {
-                        const uint16_t *xr = (const uint16_t *)x + (i + r) * ldx;
-                        for (int64_t kk = 0; kk < k; kk++) dst[kk * mr + r] = bf2f(xr[kk]);
-                    } else {
-                        const float *xr = (const float *)x + (i + r) * ldx;
-                        for (int64_t kk = 0; kk < k; kk++) dst[kk * mr + r] = xr[kk];
-                    }
+                const char *x0 = (const char *)x + i * ldx * esize;
+                if (bf == 2) {              /* [k-pairs][rows], two bf16 values in 32 bits */
+                    copy_tile(x0, ldx * 2, (int)mr, k / 2, 0, dst);
+                    if (k % 2)              /* the last pair: x[k - 1] and a zero */
+                        for (int64_t r = 0; r < mr; r++)
+                            ((uint32_t *)dst)[(k / 2) * mr + r] =
+                                ((const uint16_t *)x0)[r * ldx + k - 1];
+                } else {
+                    copy_tile(x0, ldx * esize, (int)mr, k, bf, dst);
                 }
             }                                        /* (the loop ends with a barrier) */
             for (int run = 0;;) {

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.linear_available(),
                                 reason="the packed fp32 GEMM needs a C compiler and AVX-512 or AVX2")
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (17, 3), (33, 80), (96, 576), (100, 1536),
-                                 (3072, 576)])
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 3), (33, 80), (40, 100), (96, 576),
+                                 (100, 1536), (3072, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear_everywhere_it_writes(n, k, bias):
     g = torch.Generator().manual_seed(n * 1000 + k)
@@ -118,12 +118,12 @@ def test_panels_a_busy_thread_has_not_reached_are_done_by_another_with_the_same_
 
 
 @pytest.mark.parametrize("dp", bf16_forms())
-@pytest.mark.parametrize("n,k", [(17, 3), (100, 1536), (3072, 576)])
+@pytest.mark.parametrize("n,k", [(17, 3), (24, 45), (100, 1536), (3072, 576)])
 def test_bf16_weights_give_the_fp32_product_rounded_once(n, k, dp):
     """bf16 x and W, fp32 sums, one rounding to bf16 at the end: within one bf16 step of the
     exact product, every column written (a poisoned output shows any other), and each row
     gets the same bits alone as in any batch. k = 3: an odd k, whose last pair the dp
-    form pads with a zero."""
+    form pads with a zero; k = 45: the tile copy's squares and then single values."""
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
