@@ -16,12 +16,20 @@ With --bf16 the GEMMs of a bf16 model run beside them, bf16 rows by bf16 weights
 `engine_bf16` (the engine's kernel over bf16 weights widened to fp32, fp32 sums),
 `engine_dp_bf16` where the CPU has AVX-512 bf16 (the engine's kernel with the CPU's bf16
 dot products, fp32 sums) and `onednn_bf16` where torch packs bf16 for oneDNN on this CPU.
+
+    .venv/bin/python loadtest/bench_cpu_gemm.py --rows 64,256 --bf16 --baseline HEAD~1
+
+--baseline REV builds the kernel source of git revision REV (services/executor/
+cpu_kernels.c) beside the current one: its forms of the engine's kernel run in the same
+turns, named `engine@REV` (and `engine_bf16@REV`, `engine_dp_bf16@REV`), each with its
+own packing of the same weights, and `vs_baseline` gives each form's GFLOP/s over REV's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.kernel_revision import Using, build_kernels  # noqa: E402
 from services.executor import cpu_kernels  # noqa: E402
 from services.executor.cpu_gemm import (bf16_packing, onednn_linear,  # noqa: E402
                                         packed_gemm, usable_gemms)
@@ -54,6 +63,24 @@ def libraries(weights: list[torch.Tensor], bf16: bool = False) -> dict[str, list
     return libs
 
 
+def revision_forms(weights: list[torch.Tensor], bf16: bool, lib, rev: str) -> dict[str, list]:
+    """The engine's kernel forms of `lib` (another revision's library): each weight packed
+    by it and each product run by it."""
+    def run(x, p, n):
+        with Using(lib):
+            return cpu_kernels.linear(x, p, n)
+
+    with Using(lib):
+        forms = {"engine": (torch.float32, None)}
+        if bf16:
+            forms["engine_bf16"] = (torch.bfloat16, False)
+            if cpu_kernels.dp_available():
+                forms["engine_dp_bf16"] = (torch.bfloat16, True)
+        return {f"{name}@{rev}": [(lambda x, p=cpu_kernels.pack_linear(w.to(dtype), dp=dp),
+                                   n=w.shape[0]: run(x, p, n)) for w in weights]
+                for name, (dtype, dp) in forms.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,16,64,128,256,512,2048")
@@ -63,13 +90,23 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="the bf16 GEMMs as well")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write a PNG of GFLOP/s by rows here")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also time the engine's kernel of git revision REV, in the same turns")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     torch.manual_seed(0)
-    runs = {name: libraries([torch.randn(n, k) for _ in range(args.layers)], args.bf16)
-            for name, (n, k) in SHAPES.items()}
+    weights = {name: [torch.randn(n, k) for _ in range(args.layers)]
+               for name, (n, k) in SHAPES.items()}
+    runs = {name: libraries(w, args.bf16) for name, w in weights.items()}
+    tmp = tempfile.TemporaryDirectory()
+    if args.baseline:
+        if cpu_kernels.kernels() is None or not cpu_kernels.linear_available():
+            sys.exit("bench_cpu_gemm: the engine's kernel is not built here: no --baseline")
+        base = build_kernels(args.baseline, Path(tmp.name))
+        for name, w in weights.items():
+            runs[name].update(revision_forms(w, args.bf16, base, args.baseline))
     libs = list(next(iter(runs.values())))
     res: dict = {"threads": torch.get_num_threads(), "layers": args.layers, "gflops": {}}
     with torch.inference_mode():
@@ -81,7 +118,7 @@ def main() -> None:
             for rep in range(args.reps):
                 for lib in (libs if rep % 2 == 0 else libs[::-1]):
                     t0 = time.perf_counter()
-                    inputs = x16 if lib.endswith("_bf16") else xs
+                    inputs = x16 if lib.split("@")[0].endswith("_bf16") else xs
                     for name in SHAPES:
                         for run in runs[name][lib]:
                             run(inputs[name])
@@ -92,6 +129,14 @@ def main() -> None:
             if "engine" in best and "onednn" in best:
                 ratio = f"  engine/onednn {best['onednn'] / best['engine']:.2f}x"
             say(f"{m:5d} rows: {line} GFLOP/s{ratio}")
+    if args.baseline:
+        res["baseline"] = args.baseline
+        res["vs_baseline"] = {m: {lib: g[lib] / g[f"{lib}@{args.baseline}"] for lib in g
+                                  if f"{lib}@{args.baseline}" in g}
+                              for m, g in res["gflops"].items()}
+        for m, ratios in res["vs_baseline"].items():
+            say(f"{m:5d} rows, against {args.baseline}: "
+                + "  ".join(f"{lib} {r:.3f}x" for lib, r in ratios.items()))
     if "engine" in libs and "onednn" in libs:
         res["vs_onednn"] = {m: g["engine"] / g["onednn"] for m, g in res["gflops"].items()}
     if args.plot:

@@ -21,7 +21,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from services.launcher import executor_openmp_defaults  # noqa: E402
 executor_openmp_defaults()       # as `serve` runs the executor: before torch loads OpenMP
 import torch  # noqa: E402
 
+from loadtest.kernel_revision import build_kernels  # noqa: E402
 from services.executor import cpu_kernels  # noqa: E402
 
 
@@ -75,25 +75,6 @@ def step_ms(lib: ctypes.CDLL, inputs, args, reps: int, baseline: bool = False) -
         cpu_kernels._lib = saved
 
 
-def build_baseline(rev: str, tmp: Path) -> ctypes.CDLL:
-    """REV's cpu_kernels.c compiled and linked as cpu_kernels.py does, with the current
-    library's ctypes signatures (trailing arguments a revision does not declare are
-    ignored by its kernel: in the x86-64 and arm64 C calling conventions the caller removes them)."""
-    repo = Path(__file__).resolve().parents[1]
-    src = tmp / "cpu_kernels.c"
-    src.write_bytes(subprocess.run(["git", "show", f"{rev}:services/executor/cpu_kernels.c"],
-                                   cwd=repo, check=True, capture_output=True).stdout)
-    cc = os.environ.get("CC", "gcc")
-    obj, so = tmp / "cpu_kernels.o", tmp / "cpu_kernels.so"
-    subprocess.run([cc, *cpu_kernels._CFLAGS, "-c", str(src), "-o", str(obj)], check=True)
-    subprocess.run([cc, *cpu_kernels._LDFLAGS, str(obj), "-o", str(so), "-lm"], check=True)
-    lib = ctypes.CDLL(str(so))
-    cur = cpu_kernels.kernels()
-    lib.paged_decode_attention.argtypes = cur.paged_decode_attention.argtypes
-    lib.paged_decode_attention.restype = cur.paged_decode_attention.restype
-    return lib
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -113,7 +94,7 @@ def main() -> None:
     if lib is None:
         sys.exit("bench_decode_attention: the C kernels are not built here (no C compiler?)")
     with tempfile.TemporaryDirectory() as tmp:
-        base = build_baseline(args.baseline, Path(tmp)) if args.baseline else None
+        base = build_kernels(args.baseline, Path(tmp)) if args.baseline else None
         ms: dict[str, list[float]] = {"float32": [], "bfloat16": []}
         base_ms: dict[str, list[float]] = {"float32": [], "bfloat16": []}
         for r in range(args.rounds):

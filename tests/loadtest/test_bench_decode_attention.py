@@ -29,3 +29,16 @@ def test_bench_decode_attention_times_both_caches():
     ms = out["ms_per_step_median"]["float32"]
     assert out["gb_per_s"]["float32"] == pytest.approx(fp32_bytes / (ms / 1e3) / 1e9)
     assert out["speedup_bf16"] == pytest.approx(ms / out["ms_per_step_median"]["bfloat16"])
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_bench_decode_attention_times_a_revision_beside_the_current_kernel():
+    proc = subprocess.run(
+        [sys.executable, "loadtest/bench_decode_attention.py", "--batch", "4", "--context",
+         "40", "--layers", "2", "--reps", "2", "--rounds", "2", "--baseline", "HEAD",
+         "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    base = json.loads(proc.stdout)["baseline"]
+    assert base["rev"] == "HEAD"
+    assert all(len(v) == 2 and min(v) > 0 for v in base["ms_per_step"].values())
+    assert set(base["speedup"]) == {"float32", "bfloat16"}
