@@ -276,6 +276,50 @@ static inline void merge_row(float *row, int64_t d, float scale) {
 }
 
 #define ATT_VC 8         /* accumulators of the p . V loop: d is taken 8 vectors at a time */
+#define ATT_GH 4         /* ... for up to 4 query heads of one KV head at a time */
+#if GEMM_VW == 16
+#define ATT_REGS 24      /* of the 32 zmm registers */
+#else
+#define ATT_REGS 8       /* of the 16 ymm registers */
+#endif
+
+/* p . V for gh query heads of one KV head over a block's n tokens, values [c0, c0 + nc VW)
+ * of the head: o (the first head's output row) += sum over t of p[t] V[t], the heads'
+ * score rows `max_len` apart from p; each V vector is loaded (and widened) once for all
+ * gh heads. */
+static inline __attribute__((always_inline)) void
+pv_heads(const int gh, int64_t nc, int split, int bf16, const float *p, int64_t max_len,
+         const char *hb, int64_t row_bytes, int64_t n, int64_t c0, float *o, int64_t d) {
+    const int64_t VW = GEMM_VW;
+    vec_t acc[ATT_GH][ATT_VC];
+    for (int a = 0; a < gh; a++)
+        for (int c = 0; c < ATT_VC; c++)
+            acc[a][c] = c < nc ? V_LOADU(o + a * d + c0 + c * VW) : V_ZERO();
+    for (int64_t t = 0; t < n; t++) {
+        vec_t pv[ATT_GH];
+        for (int a = 0; a < gh; a++) pv[a] = V_SET1(p[a * max_len + t]);
+        const char *row = hb + t * row_bytes;
+        if (split)                          /* nc is even: d % (2 VW) == 0 */
+            for (int c = 0; c < ATT_VC; c += 2) {
+                if (c >= nc) break;
+                pairs_t x = load_pairs((const uint16_t *)row + c0 + c * VW);
+                vec_t ve = split_even(x), vo = split_odd(x);
+                for (int a = 0; a < gh; a++) {
+                    acc[a][c] = V_FMA(pv[a], ve, acc[a][c]);
+                    acc[a][c + 1] = V_FMA(pv[a], vo, acc[a][c + 1]);
+                }
+            }
+        else
+            for (int c = 0; c < ATT_VC; c++)
+                if (c < nc) {
+                    vec_t v = load_vec(row, c0 + c * VW, bf16);
+                    for (int a = 0; a < gh; a++) acc[a][c] = V_FMA(pv[a], v, acc[a][c]);
+                }
+    }
+    for (int a = 0; a < gh; a++)
+        for (int c = 0; c < ATT_VC; c++)
+            if (c < nc) V_STOREU(o + a * d + c0 + c * VW, acc[a][c]);
+}
 
 static inline __attribute__((always_inline)) void
 attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const int32_t *table,
@@ -285,6 +329,12 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
     int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
     int64_t nblk = (ctx + bs - 1) / bs, esize = bf16 ? 2 : 4;
     int split = split_layout(bf16, d);      /* q arrives split, out is merged at the end */
+    /* p . V: query heads at a time, so that their accumulators fit in ATT_REGS registers */
+    /* (a head size known only at run time: one head at a time, as its accumulators' count
+     * is not known to the compiler either) */
+    int64_t nvec = d / VW < ATT_VC ? d / VW : ATT_VC;
+    int64_t gmax = !__builtin_constant_p(d) || ATT_REGS / nvec < 1 ? 1
+                 : ATT_REGS / nvec < ATT_GH ? ATT_REGS / nvec : ATT_GH;
     float inv[MAX_HEADS];
     for (int pass = 0; pass < 2; pass++) {       /* 0: scores = q . k;  1: out += p . v */
         const void *cache = pass ? vc : kc;
@@ -300,12 +350,12 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
             int64_t nn = blk + 1 < nblk ? (ctx - t0 - bs < bs ? ctx - t0 - bs : bs)
                                         : (ctx < bs ? ctx : bs);
             int64_t lines = next ? (nn * row_bytes + 63) / 64 : 0, per = (lines + hq - 1) / hq;
-            for (int64_t h = 0, j = 0; h < hkv; h++)
-                for (int64_t jj = 0; jj < g; jj++, j++) {
-                    for (int64_t l = j * per; l < (j + 1) * per && l < lines; l++)
-                        __builtin_prefetch(next + l * 64, 0, 1);
-                    const char *hb = b0 + h * d * esize;         /* head h of row 0 */
-                    if (!pass) {
+            for (int64_t h = 0; h < hkv; h++) {
+                const char *hb = b0 + h * d * esize;             /* head h of row 0 */
+                if (!pass)
+                    for (int64_t j = h * g; j < (h + 1) * g; j++) {
+                        for (int64_t l = j * per; l < (j + 1) * per && l < lines; l++)
+                            __builtin_prefetch(next + l * 64, 0, 1);
                         const float *qj = q + j * d;
                         for (int64_t o = 0; o < n; o += VW) {
                             vec_t acc[GEMM_VW];
@@ -332,36 +382,29 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                                 }
                             V_MSTORE(sc + j * max_len + t0 + o, lanes(n - o), sum_lanes(acc));
                         }
-                    } else {
-                        const float *p = sc + j * max_len + t0;
-                        float *oj = out + j * d;
+                    }
+                else
+                    /* the query heads of KV head h, up to gmax at a time: each V value is
+                     * loaded (and widened) once for all of them */
+                    for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += gmax) {
+                        int64_t gb = (h + 1) * g - j0 < gmax ? (h + 1) * g - j0 : gmax;
+                        for (int64_t l = j0 * per; l < (j0 + gb) * per && l < lines; l++)
+                            __builtin_prefetch(next + l * 64, 0, 1);
+                        const float *p = sc + j0 * max_len + t0;
                         for (int64_t c0 = 0; c0 < d; c0 += ATT_VC * VW) {
                             int64_t nc = (d - c0) / VW < ATT_VC ? (d - c0) / VW : ATT_VC;
-                            vec_t acc[ATT_VC];
-                            for (int c = 0; c < ATT_VC; c++)
-                                acc[c] = c < nc ? V_LOADU(oj + c0 + c * VW) : V_ZERO();
-                            for (int64_t o = 0; o < n; o++) {
-                                vec_t pv = V_SET1(p[o]);
-                                const char *row = hb + o * row_bytes;
-                                if (split)              /* nc is even: d % (2 VW) == 0 */
-                                    for (int c = 0; c < ATT_VC; c += 2) {
-                                        if (c >= nc) break;
-                                        pairs_t x = load_pairs(
-                                            (const uint16_t *)row + c0 + c * VW);
-                                        acc[c] = V_FMA(pv, split_even(x), acc[c]);
-                                        acc[c + 1] = V_FMA(pv, split_odd(x), acc[c + 1]);
-                                    }
-                                else
-                                    for (int c = 0; c < ATT_VC; c++)
-                                        if (c < nc)
-                                            acc[c] = V_FMA(pv, load_vec(row, c0 + c * VW,
-                                                                        bf16), acc[c]);
+#define PV_HEADS(GH) pv_heads(GH, nc, split, bf16, p, max_len, hb, row_bytes, n, c0, \
+                              out + j0 * d, d)
+                            switch (gb) {            /* register arrays of constant size */
+                            case 4: PV_HEADS(4); break;
+                            case 3: PV_HEADS(3); break;
+                            case 2: PV_HEADS(2); break;
+                            default: PV_HEADS(1);
                             }
-                            for (int c = 0; c < ATT_VC; c++)
-                                if (c < nc) V_STOREU(oj + c0 + c * VW, acc[c]);
+#undef PV_HEADS
                         }
                     }
-                }
+            }
         }
         if (!pass) softmax_rows(sc, hq, ctx, max_len, inv);
     }

@@ -114,13 +114,14 @@ def _torch_decode(q, kc, vc, tables, lens, scale):
 
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
 @pytest.mark.parametrize("cache_dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2), (12, 1)])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2), (12, 1), (10, 2)])
 @pytest.mark.parametrize("d", [64, 128, 80, 96, 32, 48, 20])
 @pytest.mark.parametrize("bs", [16, 32, 4])
 def test_c_decode_kernel_matches_torch(cache_dtype, tol, hq, hkv, d, bs):
     """The C kernel on its own over head sizes with a copy of their own (64, 128) and
     without (the generic loop, also for sizes that are no multiple of 16), GQA groups of 1
-    to 12, contexts shorter than a block and not a multiple of 16, blocks in shuffled order;
+    to 12 (p . V takes up to 4 query heads at a time: groups of 5 and 12 end in a part),
+    contexts shorter than a block and not a multiple of 16, blocks in shuffled order;
     bf16 caches are compared with the same bf16 values widened (the kernel computes in fp32
     either way)."""
     g = torch.Generator().manual_seed(d * 100 + hq * 10 + hkv + bs)
