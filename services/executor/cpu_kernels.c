@@ -49,6 +49,13 @@ typedef __mmask16 vmask_t;
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
 #define V_MLOAD(m, p) _mm512_maskz_loadu_ps(m, p)
 #define V_MSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+/* per 128-bit lane: interleave the low (high) halves' 32-bit values, or 64-bit pairs */
+#define V_UNPACKLO(a, b) _mm512_unpacklo_ps(a, b)
+#define V_UNPACKHI(a, b) _mm512_unpackhi_ps(a, b)
+#define V_UNPACKLO64(a, b) \
+    _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
+#define V_UNPACKHI64(a, b) \
+    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
 static inline vmask_t lanes(int64_t n) {              /* the first n of 16 lanes */
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
 }
@@ -66,6 +73,12 @@ typedef __m256i vmask_t;
 #define V_MUL(a, b) _mm256_mul_ps(a, b)
 #define V_MLOAD(m, p) _mm256_maskload_ps(p, m)      /* masked-off lanes are not read */
 #define V_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define V_UNPACKLO(a, b) _mm256_unpacklo_ps(a, b)
+#define V_UNPACKHI(a, b) _mm256_unpackhi_ps(a, b)
+#define V_UNPACKLO64(a, b) \
+    _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)))
+#define V_UNPACKHI64(a, b) \
+    _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)))
 static inline vmask_t lanes(int64_t n) {              /* the first n of 8 lanes */
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -1096,20 +1109,19 @@ static void gemm_tile(int mr, const float *xt, const void *panel, int64_t k,
  * row r. Interleaved pairs of rows, then of pairs, then the 128-bit lanes of the groups of
  * four rows gathered. */
 static inline __attribute__((always_inline)) void transpose_vw(vec_t *v) {
+    vec_t a[GEMM_VW], b[GEMM_VW];
+    for (int i = 0; i < GEMM_VW / 2; i++) {   /* per 128-bit lane L: rows 2i, 2i+1 at 4L,
+                                                * 4L+1 | at 4L+2, 4L+3 */
+        a[2 * i] = V_UNPACKLO(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = V_UNPACKHI(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < GEMM_VW / 4; i++) {   /* b[4i + m], lane L: rows 4i .. 4i+3 at 4L + m */
+        b[4 * i] = V_UNPACKLO64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = V_UNPACKHI64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = V_UNPACKLO64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = V_UNPACKHI64(a[4 * i + 1], a[4 * i + 3]);
+    }
 #if GEMM_VW == 16
-    __m512 a[16], b[16];
-    for (int i = 0; i < 8; i++) {   /* per 128-bit lane L: rows 2i, 2i+1 at 4L, 4L+1 | +2, +3 */
-        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {   /* b[4i + m], lane L: rows 4i .. 4i+3 at 4L + m */
-        __m512d p0 = _mm512_castps_pd(a[4 * i]), p1 = _mm512_castps_pd(a[4 * i + 1]);
-        __m512d p2 = _mm512_castps_pd(a[4 * i + 2]), p3 = _mm512_castps_pd(a[4 * i + 3]);
-        b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
-        b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
-        b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
-        b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
-    }
     for (int m = 0; m < 4; m++) {   /* value 4L + m: lane L of the four groups' b[4i + m] */
         __m512 c = _mm512_shuffle_f32x4(b[m], b[4 + m], 0x44);
         __m512 d = _mm512_shuffle_f32x4(b[m], b[4 + m], 0xEE);
@@ -1121,20 +1133,7 @@ static inline __attribute__((always_inline)) void transpose_vw(vec_t *v) {
         v[12 + m] = _mm512_shuffle_f32x4(d, f, 0xDD);
     }
 #else
-    __m256 a[8], b[8];
-    for (int i = 0; i < 4; i++) {
-        a[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-        a[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        __m256d p0 = _mm256_castps_pd(a[4 * i]), p1 = _mm256_castps_pd(a[4 * i + 1]);
-        __m256d p2 = _mm256_castps_pd(a[4 * i + 2]), p3 = _mm256_castps_pd(a[4 * i + 3]);
-        b[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(p0, p2));
-        b[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(p0, p2));
-        b[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(p1, p3));
-        b[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(p1, p3));
-    }
-    for (int m = 0; m < 4; m++) {
+    for (int m = 0; m < 4; m++) {   /* value 4L + m: lane L of the two groups' b[4i + m] */
         v[m] = _mm256_permute2f128_ps(b[m], b[4 + m], 0x20);
         v[4 + m] = _mm256_permute2f128_ps(b[m], b[4 + m], 0x31);
     }
