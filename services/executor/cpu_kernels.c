@@ -342,9 +342,9 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
     int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
     int64_t nblk = (ctx + bs - 1) / bs, esize = bf16 ? 2 : 4;
     int split = split_layout(bf16, d);      /* q arrives split, out is merged at the end */
-    /* p . V: query heads at a time, so that their accumulators fit in ATT_REGS registers */
-    /* (a head size known only at run time: one head at a time, as its accumulators' count
-     * is not known to the compiler either) */
+    /* p . V: as many query heads at a time as have their accumulators fit in ATT_REGS
+     * registers; one at a time for a head size known only at run time (the compiler
+     * cannot size the register arrays then) */
     int64_t nvec = d / VW < ATT_VC ? d / VW : ATT_VC;
     int64_t gmax = !__builtin_constant_p(d) || ATT_REGS / nvec < 1 ? 1
                  : ATT_REGS / nvec < ATT_GH ? ATT_REGS / nvec : ATT_GH;
