@@ -62,6 +62,17 @@ def test_a_bad_setting_is_one_line_with_status_2_before_anything_starts(argv, me
                                else f"pagedserve {argv[0]}: ")
 
 
+def test_an_executor_whose_kv_cache_does_not_fit_the_host_ends_in_one_line():
+    """`--kv-cache-gib` beyond the host's memory: one line naming the sizes, status 2 (the
+    allocation was a torch traceback)."""
+    done = launch("executor", "--kv-cache-gib", "100000", "--log-level", "warning")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("pagedserve executor: the KV cache (100000.0 GiB on cpu"), line
+    assert "GiB is available: lower kv_cache_gib or swap_space_gib" in line
+
+
 def test_a_flag_wins_over_a_malformed_env_value(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_PORT", "abc")
     assert build_parser().parse_args(["gateway", "--port", "8123"]).port == 8123

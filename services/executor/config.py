@@ -61,6 +61,9 @@ class ExecutorConfig:
         for name in ("kv_cache_gib", "swap_space_gib"):
             if getattr(self, name) < 0:
                 raise ExecutorConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_threads < 0:
+            raise ExecutorConfigError(f"num_threads must be >= 0 (0: one per core), got "
+                                      f"{self.num_threads}")
         if self.cuda_graph_max_batch < 0:
             raise ExecutorConfigError("cuda_graph_max_batch must be >= 0 (0 disables CUDA "
                                       f"graphs), got {self.cuda_graph_max_batch}")

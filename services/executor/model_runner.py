@@ -61,6 +61,19 @@ class SeqState:
     last_sampled: int = -1
 
 
+def host_memory_available() -> int | None:
+    """Bytes of memory the host can give without swapping (MemAvailable of /proc/meminfo),
+    or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class ModelRunner:
     def __init__(self, config: ExecutorConfig) -> None:
         config.validate()
@@ -116,9 +129,7 @@ class ModelRunner:
             raise ExecutorConfigError(
                 f"no memory left for the KV cache after loading {self.model_name}: raise "
                 "kv_cache_gib (CPU) or gpu_memory_utilization (GPU), or use a smaller model")
-        self.kv = KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
-                          self.block_size, self.args.num_kv_heads, self.args.head_dim,
-                          self.kv_dtype, self.device)
+        self.kv = self._allocate_kv(one)
         # Decode steps on a GPU replay CUDA graphs (one process: the TP all-reduce is not
         # captured); everything else runs eagerly.
         self.graphs = None
@@ -330,6 +341,30 @@ class ModelRunner:
         return per_row
 
     # ------------------------------------------------------------------ sizing
+
+    def _allocate_kv(self, one_block: int) -> KVCache:
+        """The KV pool and the swap space, or ExecutorConfigError where they do not fit: in
+        the host's available memory (CPU pool and swap space), or where the allocation
+        fails (a GPU pool too large, or the host refusing)."""
+        pool, swap = self.num_gpu_blocks * one_block, self.num_cpu_blocks * one_block
+        what = (f"the KV cache ({pool / GIB:.1f} GiB on {self.device.type}, "
+                f"{swap / GIB:.1f} GiB of swap space)")
+        fix = ("lower kv_cache_gib or swap_space_gib" if self.device.type == "cpu" else
+               "lower gpu_memory_utilization, num_gpu_blocks or swap_space_gib")
+        host = swap + (pool if self.device.type == "cpu" else 0)
+        available = host_memory_available()
+        if available is not None and host > available:
+            raise ExecutorConfigError(
+                f"{what} needs {host / GIB:.1f} GiB of host memory and "
+                f"{available / GIB:.1f} GiB is available: {fix}")
+        try:
+            return KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
+                           self.block_size, self.args.num_kv_heads, self.args.head_dim,
+                           self.kv_dtype, self.device)
+        except (RuntimeError, MemoryError) as exc:   # (torch.OutOfMemoryError included)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ExecutorConfigError(f"{what} could not be allocated ({first[:200]}): "
+                                      f"{fix}") from exc
 
     def _size_pool(self, one_block: int) -> int:
         if self.device.type == "cpu":

@@ -438,6 +438,45 @@ def test_cpu_refuses_float16_with_a_hint(tiny_llama):
         tiny_runner(tiny_llama[0], dtype="float16")
 
 
+def test_a_kv_cache_larger_than_the_host_memory_is_refused_with_a_hint(tiny_llama):
+    """A pool and swap space that the host's available memory cannot hold are refused
+    before they are allocated (a pool that only just fits would be zero-filled into the
+    OOM killer), naming both sizes and what to lower."""
+    from services.executor.config import ExecutorConfigError
+    from services.executor.model_runner import host_memory_available
+
+    available = host_memory_available()
+    assert available is not None and available > 0          # (Linux: /proc/meminfo)
+    gib = 2 * available / 2 ** 30
+    with pytest.raises(ExecutorConfigError, match=r"GiB of host memory and [0-9.]+ GiB is "
+                       r"available: lower kv_cache_gib or swap_space_gib"):
+        tiny_runner(tiny_llama[0], swap_space_gib=gib)
+
+
+def test_a_kv_cache_the_allocator_refuses_is_a_config_error(tiny_llama, monkeypatch):
+    """Where the allocation itself fails (a GPU pool, or a host that refuses), the error
+    names the KV cache and what to lower instead of a traceback."""
+    from services.executor import model_runner
+    from services.executor.config import ExecutorConfigError
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                           "DefaultCPUAllocator: can't allocate memory\nmore")
+
+    monkeypatch.setattr(model_runner, "KVCache", refuse)
+    with pytest.raises(ExecutorConfigError, match=r"the KV cache \(.* GiB on cpu, .* GiB of "
+                       r"swap space\) could not be allocated \(.*can't allocate memory\): "
+                       r"lower kv_cache_gib"):
+        tiny_runner(tiny_llama[0])
+
+
+def test_a_negative_thread_count_is_refused(tiny_llama):
+    from services.executor.config import ExecutorConfigError
+
+    with pytest.raises(ExecutorConfigError, match="num_threads must be >= 0"):
+        tiny_runner(tiny_llama[0], num_threads=-3)
+
+
 def test_a_decode_planned_ahead_takes_the_token_the_executor_sampled_last(tiny):
     """-1 as a decode's appended token (a plan sent before the step before it answered,
     services/scheduler/ahead.py) is the token this executor sampled for the seq in its last
