@@ -44,6 +44,14 @@ def count(raw: str) -> int:
     return value
 
 
+def port(raw: str) -> int:
+    """A flag's value that is a TCP port: an integer from 0 to 65535."""
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{raw!r} is no port")
+    return value
+
+
 # (flag, env var, default, type, help). One table, shared by `serve` and each service.
 _COMMON = [
     ("--redis-url", "REDIS_URL", None, str, "Redis URL (serve: start a private redis-server if unset)"),
@@ -81,7 +89,7 @@ _GATEWAY = [
 _SCHEDULER = [
     ("--executor", "PAGEDSERVE_EXECUTOR", "127.0.0.1:50051", str, "gRPC address of executor rank 0"),
     ("--scheduler-name", "PAGEDSERVE_SCHEDULER_NAME", None, str, "consumer name in the request group"),
-    ("--metrics-port", "PAGEDSERVE_METRICS_PORT", 0, int, "scheduler's own /metrics port (0: off)"),
+    ("--metrics-port", "PAGEDSERVE_METRICS_PORT", 0, port, "scheduler's own /metrics port (0: off)"),
     ("--max-num-seqs", "PAGEDSERVE_MAX_NUM_SEQS", 256, int, "sequences per step"),
     ("--max-num-batched-tokens", "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", 2048, int, "tokens per step"),
     ("--preemption-mode", "PAGEDSERVE_PREEMPTION_MODE", "auto", str, "auto | swap | recompute"),
@@ -98,8 +106,8 @@ _SCHEDULER = [
 _EXECUTOR = [
     ("--bind-host", "PAGEDSERVE_BIND_HOST", "127.0.0.1", str, "executor bind address (ZeroMQ, gRPC)"),
     ("--advertise-host", "PAGEDSERVE_ADVERTISE_HOST", None, str, "host the scheduler dials"),
-    ("--grpc-port", "PAGEDSERVE_GRPC_PORT", 50051, int, "executor control port"),
-    ("--zmq-port", "PAGEDSERVE_ZMQ_PORT", 5559, int, "results port; plans on +1+rank"),
+    ("--grpc-port", "PAGEDSERVE_GRPC_PORT", 50051, port, "executor control port"),
+    ("--zmq-port", "PAGEDSERVE_ZMQ_PORT", 5559, port, "results port; plans on +1+rank"),
     ("--device", "PAGEDSERVE_DEVICE", "auto", str, "auto | cpu | cuda"),
     ("--dtype", "PAGEDSERVE_DTYPE", "auto", str, "auto | float32 | bfloat16 | float16"),
     ("--kv-cache-dtype", "PAGEDSERVE_KV_CACHE_DTYPE", "auto", str,
@@ -122,7 +130,7 @@ _EXECUTOR = [
      "executor ranks that split the model (tensor parallelism, one host)"),
     ("--rank", "PAGEDSERVE_RANK", None, int,
      "run only this tensor-parallel rank (unset: rank 0, which starts the others)"),
-    ("--dist-port", "PAGEDSERVE_DIST_PORT", 29500, int,
+    ("--dist-port", "PAGEDSERVE_DIST_PORT", 29500, port,
      "torch.distributed rendezvous port of the executor ranks"),
 ]
 _SERVE = [
@@ -166,7 +174,8 @@ class _EnvValue(str):
         return value
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", count: "an integer >= 0"}
+_TYPE_NAMES = {int: "an integer", float: "a number", count: "an integer >= 0",
+               port: "a port (0 to 65535)"}
 
 
 def _names(values: list[str]) -> list[str]:
@@ -548,6 +557,10 @@ class Stack:
         for flag, (dest, n) in wanted.items():
             if not _given(a, flag):
                 setattr(a, dest, free_ports(n))
+            elif getattr(a, dest) + n - 1 > 65535:
+                raise RuntimeError(f"{flag} {getattr(a, dest)} takes {n} ports from there "
+                                   f"(up to {getattr(a, dest) + n - 1}): pick at most "
+                                   f"{65536 - n}")
         taken = [f"{flag} {getattr(a, dest) + i}" for flag, (dest, n) in wanted.items()
                  if _given(a, flag) for i in range(n)
                  if not _port_free(a.bind_host, getattr(a, dest) + i)]

@@ -29,6 +29,7 @@ def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
     ("PAGEDSERVE_KV_CACHE_GIB", "lots", "a number", ["executor"]),
     ("PAGEDSERVE_MAX_NUM_SEQS", "many", "an integer", ["scheduler"]),
     ("PAGEDSERVE_API_SERVER_COUNT", "-1", "an integer >= 0", ["gateway"]),
+    ("PAGEDSERVE_GRPC_PORT", "123456", "a port (0 to 65535)", ["executor"]),
 ])
 def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kind, argv):
     done = launch(*argv, **{var: value})
@@ -71,6 +72,24 @@ def test_an_executor_whose_kv_cache_does_not_fit_the_host_ends_in_one_line():
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("pagedserve executor: the KV cache (100000.0 GiB on cpu"), line
     assert "GiB is available: lower kv_cache_gib or swap_space_gib" in line
+
+
+@pytest.mark.parametrize("flag", ["--metrics-port", "--grpc-port", "--zmq-port",
+                                  "--dist-port"])
+def test_a_port_flag_past_65535_is_refused_by_argparse(flag):
+    """(Each was a traceback: OverflowError from bind in the service or in serve's check.)"""
+    done = launch("serve", flag, "99999")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument {flag}: invalid port value: '99999'" in done.stderr
+
+
+def test_a_zmq_port_whose_span_passes_65535_is_one_line():
+    """--zmq-port takes 2 + tensor-parallel-size ports from the one given."""
+    done = launch("serve", "--zmq-port", "65535", "--port", str(free_port()))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "pagedserve: --zmq-port 65535 takes 3 ports from there (up to 65537): pick at most "
+        "65533"], done.stderr
 
 
 def test_a_flag_wins_over_a_malformed_env_value(monkeypatch):
