@@ -44,6 +44,16 @@ def count(raw: str) -> int:
     return value
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(raw: str) -> str:
+    """A flag's value that is a logging level's name (any case)."""
+    if raw.lower() not in LOG_LEVELS:
+        raise ValueError(f"{raw!r} is no log level")
+    return raw.lower()
+
+
 def port(raw: str) -> int:
     """A flag's value that is a TCP port: an integer from 0 to 65535."""
     value = int(raw)
@@ -59,7 +69,8 @@ _COMMON = [
     ("--model", "PAGEDSERVE_MODEL", "SmolLM2-135M-Instruct", str,
      "bundled model name, a .gguf file, or a Hugging Face folder"),
     ("--max-model-len", "PAGEDSERVE_MAX_MODEL_LEN", 2048, int, "context length limit (tokens)"),
-    ("--log-level", "PAGEDSERVE_LOG_LEVEL", "info", str, "debug | info | warning"),
+    ("--log-level", "PAGEDSERVE_LOG_LEVEL", "info", log_level,
+     "debug | info | warning | error | critical"),
 ]
 _GATEWAY = [
     ("--host", "PAGEDSERVE_HOST", "127.0.0.1", str, "gateway bind address"),
@@ -175,7 +186,7 @@ class _EnvValue(str):
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", count: "an integer >= 0",
-               port: "a port (0 to 65535)"}
+               port: "a port (0 to 65535)", log_level: f"one of {', '.join(LOG_LEVELS)}"}
 
 
 def _names(values: list[str]) -> list[str]:
@@ -264,18 +275,27 @@ PRIVATE_REDIS_MAXMEMORY = "1gb"   # serve's own Redis: queued requests and TTL'd
 MIN_REDIS = (7, 0)     # XINFO GROUPS `lag` (the 429 back-pressure), Lua script flags
 
 
-def redis_too_old(url: str) -> str | None:
-    """One line saying why the Redis at `url` is too old, or None (also when it does not
-    answer yet: the services wait for it)."""
+def redis_problem(url: str, must_answer: bool = False) -> str | None:
+    """One line saying what is wrong with the Redis at `url`: a URL redis-py cannot read, a
+    server too old, or (must_answer) one that does not answer; else None (a Redis that
+    does not answer yet: the services wait for it)."""
     import redis
+    where = url.split("://", 1)[-1].split("@")[-1]      # never echo a password
     try:
-        version = redis.Redis.from_url(url, socket_timeout=5,
-                                       socket_connect_timeout=5).info("server")["redis_version"]
-    except redis.RedisError:
-        return None
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    except ValueError as exc:
+        return f"the Redis URL (--redis-url or REDIS_URL) cannot be used: {exc}"
+    try:
+        version = client.info("server")["redis_version"]
+    except redis.RedisError as exc:
+        if not must_answer:
+            return None
+        return (f"Redis at {where} does not answer ({type(exc).__name__}: {exc}): start it, "
+                f"or fix --redis-url / REDIS_URL")
+    finally:
+        client.close()
     if tuple(int(x) for x in str(version).split(".")[:2]) >= MIN_REDIS:
         return None
-    where = url.split("://", 1)[-1].split("@")[-1]      # never echo a password
     return (f"Redis {version} at {where} is too old: pagedserve needs Redis "
             f"{MIN_REDIS[0]} or newer")
 
@@ -344,8 +364,8 @@ def _run_one_service(args) -> int:
                     proc.kill()
     elif args.command == "scheduler":
         from services.scheduler.service import run
-        if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
-            print(f"pagedserve scheduler: {too_old}", file=sys.stderr)
+        if (problem := redis_problem(args.redis_url or "redis://127.0.0.1:6379/0")):
+            print(f"pagedserve scheduler: {problem}", file=sys.stderr)
             return 2
         try:
             config = scheduler_config(args)
@@ -359,8 +379,8 @@ def _run_one_service(args) -> int:
         except ValueError as exc:            # a setting the user can fix: no traceback
             print(f"pagedserve gateway: {exc}", file=sys.stderr)
             return 2
-        if (too_old := redis_too_old(args.redis_url or "redis://127.0.0.1:6379/0")):
-            print(f"pagedserve gateway: {too_old}", file=sys.stderr)
+        if (problem := redis_problem(args.redis_url or "redis://127.0.0.1:6379/0")):
+            print(f"pagedserve gateway: {problem}", file=sys.stderr)
             return 2
         from services.gateway.servers import api_server_count, run_servers
         count = api_server_count(args.api_server_count)
@@ -551,6 +571,11 @@ class Stack:
         environment. Ports that were set, and the HTTP port, must be free: else one line
         and nothing started (a second stack on one host must not reach the first one's)."""
         a = self.args
+        hosts = [("--host", a.host), ("--bind-host", a.bind_host)]
+        if a.metrics_port:
+            hosts.append(("--metrics-host", a.metrics_host))
+        if (problems := [p for flag, host in hosts if (p := _host_problem(flag, host))]):
+            raise RuntimeError("; ".join(problems))
         tp = a.tensor_parallel_size
         wanted = {"--grpc-port": ("grpc_port", tp), "--zmq-port": ("zmq_port", 2 + tp),
                   "--dist-port": ("dist_port", 1)}
@@ -590,8 +615,9 @@ class Stack:
             a.redis_url = f"redis://127.0.0.1:{port}/0"
             import redis
             self._wait("redis", proc, lambda: redis.Redis.from_url(a.redis_url).ping(), 30)
-        if (too_old := redis_too_old(a.redis_url)):
-            raise RuntimeError(too_old)
+        # a Redis the user named must answer now: nothing is started otherwise
+        if (problem := redis_problem(a.redis_url, must_answer=True)):
+            raise RuntimeError(problem)
         # Secrets travel in the environment, never on a command line (/proc/*/cmdline is
         # readable by every local user).
         # The executor's control token: made here for this stack unless one is given.
@@ -707,14 +733,36 @@ def _given(args: argparse.Namespace, flag: str) -> bool:
     return env in os.environ or any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def _host_problem(flag: str, host: str) -> str | None:
+    """Why no server can listen on `host` here (a name that does not resolve, an address
+    of another machine), or None."""
+    try:
+        family, kind, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"{flag} {host!r} is no address ({getattr(exc, 'strerror', None) or exc})"
+    with socket.socket(family, kind) as s:
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            return f"{flag} {host!r} cannot be listened on here ({exc.strerror or exc})"
+    return None
+
+
 def _port_free(host: str, port: int) -> bool:
     """Whether a server could listen on host:port now. With SO_REUSEADDR, as the gateway,
     gRPC and ZeroMQ bind: the connections a server closed linger on its port for a minute
     (FIN-WAIT-2, TIME-WAIT) after it exits and do not count; another listener does."""
-    with socket.socket() as s:
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    try:                                 # (an IPv6 address needs a socket of its family)
+        family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError):
+        return False
+    with socket.socket(family, kind) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port))
+            s.bind(addr)
             return True
         except OSError:
             return False

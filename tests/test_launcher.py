@@ -30,6 +30,8 @@ def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
     ("PAGEDSERVE_MAX_NUM_SEQS", "many", "an integer", ["scheduler"]),
     ("PAGEDSERVE_API_SERVER_COUNT", "-1", "an integer >= 0", ["gateway"]),
     ("PAGEDSERVE_GRPC_PORT", "123456", "a port (0 to 65535)", ["executor"]),
+    ("PAGEDSERVE_LOG_LEVEL", "loud", "one of debug, info, warning, error, critical",
+     ["gateway"]),
 ])
 def test_malformed_env_value_is_one_line_naming_it_with_status_2(var, value, kind, argv):
     done = launch(*argv, **{var: value})
@@ -90,6 +92,51 @@ def test_a_zmq_port_whose_span_passes_65535_is_one_line():
     assert done.stderr.strip().splitlines() == [
         "pagedserve: --zmq-port 65535 takes 3 ports from there (up to 65537): pick at most "
         "65533"], done.stderr
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--redis-url", "redis://127.0.0.1:1/0"],
+     "pagedserve: Redis at 127.0.0.1:1/0 does not answer (ConnectionError: "),
+    (["--redis-url", "notaurl"],
+     "pagedserve: the Redis URL (--redis-url or REDIS_URL) cannot be used: "),
+    (["--host", "999.1.1.1"], "pagedserve: --host '999.1.1.1' is no address ("),
+    (["--bind-host", "nonsense.invalid"], "pagedserve: --bind-host 'nonsense.invalid' is no "
+                                          "address ("),
+])
+def test_serve_refuses_a_redis_or_an_address_it_cannot_use_in_one_line(argv, line):
+    """Each was a traceback from the scheduler or the executor once started (or, for an
+    address, 'port(s) in use')."""
+    done = launch("serve", "--port", str(free_port()), *argv)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), done.stderr
+
+
+def test_a_bad_log_level_is_refused_by_argparse():
+    done = launch("serve", "--log-level", "loud")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "argument --log-level: invalid log_level value: 'loud'" in done.stderr
+    assert build_parser().parse_args(["gateway", "--log-level", "WARNING"]).log_level == "warning"
+
+
+def test_a_scheduler_started_before_its_redis_waits_for_it_and_stops_on_sigterm():
+    """(It ended in a traceback at its first Redis call.)"""
+    proc = subprocess.Popen([sys.executable, "-m", "services.launcher", "scheduler",
+                             "--redis-url", f"redis://127.0.0.1:{free_port()}/0"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        while line and "does not answer" not in line:
+            line = proc.stderr.readline()
+        assert "WARNING Redis at 127.0.0.1:" in line and "waiting for it" in line, line
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_flag_wins_over_a_malformed_env_value(monkeypatch):

@@ -169,9 +169,26 @@ class SchedulerService:
                         self.dashboard.tp)
 
     # ------------------------------------------------------------ main loop
+    def _wait_for_redis(self) -> bool:
+        """Take Redis's clock, waiting while Redis does not answer (it may start beside this
+        process, or restart): a warning every 10 s. False when stopped meanwhile."""
+        where = self.config.redis_url.split("://", 1)[-1].split("@")[-1]   # no password
+        warned = None
+        while not self.stopping:
+            try:
+                self.link.sync_clock()
+                return True
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if warned is None or time.monotonic() - warned >= 10:
+                    log.warning("Redis at %s does not answer (%s): waiting for it", where, exc)
+                    warned = time.monotonic()
+                time.sleep(0.5)
+        return False
+
     def serve(self) -> int:
         """Run until stopped; the exit status (3: another scheduler fenced this one)."""
-        self.link.sync_clock()
+        if not self._wait_for_redis():
+            return 0
         while True:
             try:
                 self.connect()
