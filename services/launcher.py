@@ -332,6 +332,15 @@ def _run_service(args) -> int:
         # tokenizer only when a request needs it.
         if args.command in ("gateway", "executor"):
             resolve_model(args.model)
+        # the address it listens on: one line here, not a traceback from the bind
+        flag = {"gateway": "--host", "executor": "--bind-host", "scheduler": "--metrics-host"
+                }.get(args.command)
+        host = getattr(args, flag[2:].replace("-", "_")) if flag else None
+        if args.command == "scheduler" and not args.metrics_port:
+            host = None                      # (no /metrics server)
+        if host is not None and (problem := _host_problem(flag, host)):
+            print(f"pagedserve {args.command}: {problem}", file=sys.stderr)
+            return 2
         return _run_one_service(args)
     except ModelNotFound as exc:             # a setting the user can fix: no traceback
         print(f"pagedserve {args.command}: {exc}", file=sys.stderr)

@@ -112,6 +112,20 @@ def test_serve_refuses_a_redis_or_an_address_it_cannot_use_in_one_line(argv, lin
     assert len(lines) == 1 and lines[0].startswith(line), done.stderr
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["gateway", "--host", "999.1.1.1"], "pagedserve gateway: --host '999.1.1.1' is no address ("),
+    (["executor", "--bind-host", "nonsense.invalid"],
+     "pagedserve executor: --bind-host 'nonsense.invalid' is no address ("),
+    (["scheduler", "--metrics-port", "18999", "--metrics-host", "nonsense.invalid"],
+     "pagedserve scheduler: --metrics-host 'nonsense.invalid' is no address ("),
+])
+def test_a_service_refuses_an_address_it_cannot_listen_on_in_one_line(argv, line):
+    done = launch(*argv)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), done.stderr
+
+
 def test_a_bad_log_level_is_refused_by_argparse():
     done = launch("serve", "--log-level", "loud")
     assert done.returncode == 2 and "Traceback" not in done.stderr
