@@ -116,8 +116,10 @@ def test_every_variable_set_for_a_service_is_one_the_project_reads(compose, monk
                 if var not in THIRD_PARTY_ENV:
                     unread.append(f"{name}: {var} (unknown third-party variable)")
                 continue
-            # "7" parses as an int, a float, a string and an on-flag alike.
-            probed = vars(parse_with_launcher(cmd, {var: "7"}, monkeypatch))
+            # "7" parses as an int, a float, a string and an on-flag alike (a log level is
+            # a level's name).
+            probe = "debug" if var == "PAGEDSERVE_LOG_LEVEL" else "7"
+            probed = vars(parse_with_launcher(cmd, {var: probe}, monkeypatch))
             if probed != baseline:
                 continue
             if not re.search(rf"(?<![A-Z0-9_]){var}(?![A-Z0-9_])", source):
