@@ -353,18 +353,24 @@ class ModelRunner:
                "lower gpu_memory_utilization, num_gpu_blocks or swap_space_gib")
         host = swap + (pool if self.device.type == "cpu" else 0)
         available = host_memory_available()
+        problem, kv = None, None
         if available is not None and host > available:
-            raise ExecutorConfigError(
-                f"{what} needs {host / GIB:.1f} GiB of host memory and "
-                f"{available / GIB:.1f} GiB is available: {fix}")
-        try:
-            return KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
-                           self.block_size, self.args.num_kv_heads, self.args.head_dim,
-                           self.kv_dtype, self.device)
-        except (RuntimeError, MemoryError) as exc:   # (torch.OutOfMemoryError included)
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ExecutorConfigError(f"{what} could not be allocated ({first[:200]}): "
-                                      f"{fix}") from exc
+            problem = (f"{what} needs {host / GIB:.1f} GiB of host memory and "
+                       f"{available / GIB:.1f} GiB is available: {fix}")
+        else:
+            try:
+                kv = KVCache(self.args.num_layers, self.num_gpu_blocks, self.num_cpu_blocks,
+                             self.block_size, self.args.num_kv_heads, self.args.head_dim,
+                             self.kv_dtype, self.device)
+            except (RuntimeError, MemoryError) as exc:   # (torch.OutOfMemoryError included)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                problem = f"{what} could not be allocated ({first[:200]}): {fix}"
+        # Every rank ends its start alike: one rank refusing alone would leave the others
+        # waiting in their next collective until the group's timeout.
+        if self.group.min_int(0 if problem else 1) == 0:
+            raise ExecutorConfigError(problem or f"{what} could not be allocated on another "
+                                                 f"tensor-parallel rank: {fix}")
+        return kv
 
     def _size_pool(self, one_block: int) -> int:
         if self.device.type == "cpu":
