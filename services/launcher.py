@@ -280,7 +280,9 @@ def redis_problem(url: str, must_answer: bool = False) -> str | None:
     server too old, or (must_answer) one that does not answer; else None (a Redis that
     does not answer yet: the services wait for it)."""
     import redis
-    where = url.split("://", 1)[-1].split("@")[-1]      # never echo a password
+
+    from shared.redis_keys import redis_where
+    where = redis_where(url)
     try:
         client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     except ValueError as exc:
@@ -742,39 +744,42 @@ def _given(args: argparse.Namespace, flag: str) -> bool:
     return env in os.environ or any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def _host_problem(flag: str, host: str) -> str | None:
-    """Why no server can listen on `host` here (a name that does not resolve, an address
-    of another machine), or None."""
+def _bind_error(host: str, port: int, reuse: bool = False) -> Exception | None:
+    """What binding a TCP socket to host:port raises now (a name that does not resolve, an
+    address of another machine, a port taken), or None. An IPv6 address gets a socket of
+    its family."""
     try:
-        family, kind, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+        family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
-        return f"{flag} {host!r} is no address ({getattr(exc, 'strerror', None) or exc})"
+        return exc
     with socket.socket(family, kind) as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(addr)
         except OSError as exc:
-            return f"{flag} {host!r} cannot be listened on here ({exc.strerror or exc})"
+            return exc
     return None
+
+
+def _host_problem(flag: str, host: str) -> str | None:
+    """Why no server can listen on `host` here, in one line, or None."""
+    exc = _bind_error(host, 0)
+    if exc is None:
+        return None
+    why = getattr(exc, "strerror", None) or exc
+    if isinstance(exc, (socket.gaierror, UnicodeError)):
+        return f"{flag} {host!r} is no address ({why})"
+    return f"{flag} {host!r} cannot be listened on here ({why})"
 
 
 def _port_free(host: str, port: int) -> bool:
     """Whether a server could listen on host:port now. With SO_REUSEADDR, as the gateway,
     gRPC and ZeroMQ bind: the connections a server closed linger on its port for a minute
     (FIN-WAIT-2, TIME-WAIT) after it exits and do not count; another listener does."""
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    try:                                 # (an IPv6 address needs a socket of its family)
-        family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
-    except (socket.gaierror, UnicodeError):
-        return False
-    with socket.socket(family, kind) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-            return True
-        except OSError:
-            return False
+    return _bind_error("127.0.0.1" if host in ("0.0.0.0", "::") else host, port,
+                       reuse=True) is None
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -77,3 +77,8 @@ class RedisKeys:
 
     def gateway_alive(self, gateway_id: str) -> str:
         return f"{self.prefix}:gateway:{gateway_id}"
+
+
+def redis_where(url: str) -> str:
+    """A Redis URL's host part for messages and logs: never its password."""
+    return url.split("://", 1)[-1].split("@")[-1]

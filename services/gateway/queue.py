@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.messages import AbortRequest, GenerationRequest, RequestOutput, StreamHeader
 from shared.redis_keys import (ABORTS_MAXLEN, CONSUMER_GROUP, HEADER_FIELD, MSG_FIELD,
-                               OUTPUT_TTL_S, RedisKeys)
+                               OUTPUT_TTL_S, RedisKeys, redis_where)
 from shared.redis_packing import packer
 from shared.wire import WireError, decode, encode
 
@@ -72,7 +72,7 @@ class RequestQueue:
             socket_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 1))
         _packing_in_c(pool)
         self.redis = aioredis.Redis(connection_pool=pool)
-        self.where = url.split("@")[-1]     # host part only: never echo a password
+        self.where = redis_where(url)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -47,7 +47,7 @@ from shared.control import ExecutorClient, owner_identity
 from shared.heap import settle_heap
 from shared.messages import (AbortRequest, GenerationRequest, RequestOutput, SeqDelta,
                              StepPlan, StepResult)
-from shared.redis_keys import RedisKeys
+from shared.redis_keys import RedisKeys, redis_where
 from shared.redis_packing import packer
 from shared.wire import encode, oversized
 
@@ -172,7 +172,7 @@ class SchedulerService:
     def _wait_for_redis(self) -> bool:
         """Take Redis's clock, waiting while Redis does not answer (it may start beside this
         process, or restart): a warning every 10 s. False when stopped meanwhile."""
-        where = self.config.redis_url.split("://", 1)[-1].split("@")[-1]   # no password
+        where = redis_where(self.config.redis_url)
         warned = None
         while not self.stopping:
             try:
