@@ -6,7 +6,10 @@ splits the batch in two and keeps `kernels.reference` as the oracle in the tests
 
     rows  0 .. num_decode-1            decodes (q_len 1), all in ONE call:
                                        the C kernel (cpu_kernels.c) reads K/V in
-                                       place from the pool; without a C compiler, one padded
+                                       place from the pool, the query heads of a KV
+                                       head together or one at a time, whichever is
+                                       faster on this CPU (`pick_decode_heads`);
+                                       without a C compiler, one padded
                                        gather of every sequence's blocks + one batched SDPA
                                        with a length mask
     rows  num_decode .. T-1            prefill chunks, one call each (few per step, each
@@ -64,6 +67,9 @@ class AttentionMetadata:
     # Whether the C kernel runs (fresh, continuing) prefill chunks, else SDPA: the model
     # runner's `pick_prefill_paths`, set on each step's metadata.
     prefill_kernel: tuple[bool, bool] = (True, True)
+    # How many query heads of a KV head the C decode kernel takes at once (at most): the
+    # runner's `pick_decode_heads`.
+    decode_heads_at_once: int = cpu_kernels.HEADS_AT_ONCE
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int],
@@ -170,7 +176,8 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
         # an fp32 query: the kernel writes its rows of `out` itself (no copy)
         direct = out[:nd] if out.dtype == torch.float32 else None
         o = cpu_kernels.decode_attention(query[:nd], k_cache, v_cache, meta.decode_tables,
-                                         meta.decode_lens, meta.decode_max_len, scale, out=direct)
+                                         meta.decode_lens, meta.decode_max_len, scale, out=direct,
+                                         heads_at_once=meta.decode_heads_at_once)
         if direct is None:
             out[:nd] = o
     elif nd:
@@ -271,4 +278,67 @@ def _faster_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     log.info("%s prefill attention: %s (256 tokens, %s model, %s pool: kernel %.0f us, "
              "SDPA %.0f us)", kind, best, str(dtype)[6:], str(kv_dtype)[6:], kernel * 1e6,
              sdpa * 1e6)
+    return best
+
+
+# The pool `_faster_decode` reads each step: at least this much, so that it comes from
+# memory as a serving batch's context does, not from the caches.
+DECODE_TIMING_BYTES = 128 << 20
+DECODE_TIMING_ROUNDS = 10
+
+
+def pick_decode_heads(heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                      block_size: int) -> int:
+    """How many query heads of a KV head the C decode kernel takes at once in its weighted
+    sum of V: cpu_kernels.HEADS_AT_ONCE (each vector of V loaded and widened once for all of
+    them) or 1 (one head at a time), whichever is faster here. The sums are the same.
+
+    Which one is faster depends on the CPU and the cache's dtype (bench_decode_attention.py
+    --heads-at-once 4,1): on the AMD EPYC Zen 4, 64 sequences of 300 tokens over 30 layers
+    took 0.94x the time one head at a time with an fp32 cache and 1.09x with a bf16 one; on
+    the Intel Xeon of family 6 model 167 the heads together were 1.01-1.27x faster in
+    both. So both are timed at the first start on a machine (64 sequences of 256 tokens,
+    from memory) and the choice remembered, as `pick_prefill_paths`'s."""
+    together = cpu_kernels.HEADS_AT_ONCE
+    if cpu_kernels.kernels() is None or heads <= kv_heads:
+        return together                  # no kernel, or nothing to take together
+    key = [heads, kv_heads, head_dim, str(kv_dtype), block_size, DECODE_TIMING_BYTES]
+    best = cpu_kernels.remembered(
+        "attention", "decode attention heads", key, ("together", "one at a time"),
+        lambda: _faster_decode(heads, kv_heads, head_dim, kv_dtype, block_size))
+    return together if best == "together" else 1
+
+
+def _faster_decode(heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                   block_size: int) -> str:
+    """"together" or "one at a time": the faster decode step (medians of 10 in turns) of 64
+    sequences of 256 tokens, over as many layers' pools as make DECODE_TIMING_BYTES; blocks
+    in shuffled order, random values (the cost does not depend on them)."""
+    batch, context = 64, 256
+    per_seq = -(-context // block_size)
+    nblocks = batch * per_seq
+    layer_bytes = 2 * nblocks * block_size * kv_heads * head_dim * kv_dtype.itemsize
+    g = torch.Generator().manual_seed(0)
+    pools = [[torch.empty(nblocks, block_size, kv_heads, head_dim, dtype=kv_dtype).uniform_(
+        -1, 1, generator=g) for _ in range(2)]
+        for _ in range(-(-DECODE_TIMING_BYTES // layer_bytes))]
+    tables = torch.randperm(nblocks, generator=g).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    out = torch.empty(batch, heads, head_dim)
+    times: dict[int, list[float]] = {cpu_kernels.HEADS_AT_ONCE: [], 1: []}
+    for r in range(DECODE_TIMING_ROUNDS + 1):
+        for n in (times if r % 2 else reversed(times)):
+            t0 = time.perf_counter()
+            for k, v in pools:
+                cpu_kernels.decode_attention(q, k, v, tables, lens, context, head_dim ** -0.5,
+                                             out=out, heads_at_once=n)
+            if r:                                   # the first round pages the pools in
+                times[n].append(time.perf_counter() - t0)
+    together = statistics.median(times[cpu_kernels.HEADS_AT_ONCE])
+    one = statistics.median(times[1])
+    best = "one at a time" if one < together else "together"
+    log.info("decode attention: query heads %s (%s pool, %d layers of %d x %d tokens: "
+             "together %.2f ms, one at a time %.2f ms)", best, str(kv_dtype)[6:], len(pools),
+             batch, context, together * 1e3, one * 1e3)
     return best

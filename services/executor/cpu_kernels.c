@@ -299,18 +299,23 @@ static inline void merge_row(float *row, int64_t d, float scale) {
 /* p . V for gh query heads of one KV head over a block's n tokens, values [c0, c0 + nc VW)
  * of the head: o (the first head's output row) += sum over t of p[t] V[t], the heads'
  * score rows `max_len` apart from p; each V vector is loaded (and widened) once for all
- * gh heads. */
+ * gh heads. The npf 64-byte lines from pf (the next block's) are prefetched spread over
+ * the tokens: issued at once, more lines than the core tracks at a time are dropped. */
 static inline __attribute__((always_inline)) void
 pv_heads(const int gh, int64_t nc, int split, int bf16, const float *p, int64_t max_len,
-         const char *hb, int64_t row_bytes, int64_t n, int64_t c0, float *o, int64_t d) {
+         const char *hb, int64_t row_bytes, int64_t n, int64_t c0, float *o, int64_t d,
+         const char *pf, int64_t npf) {
     const int64_t VW = GEMM_VW;
     vec_t acc[ATT_GH][ATT_VC];
+    int64_t pft = n > 0 ? (npf + n - 1) / n : 0, pfl = 0;
     for (int a = 0; a < gh; a++)
         for (int c = 0; c < ATT_VC; c++)
             acc[a][c] = c < nc ? V_LOADU(o + a * d + c0 + c * VW) : V_ZERO();
     for (int64_t t = 0; t < n; t++) {
         vec_t pv[ATT_GH];
         for (int a = 0; a < gh; a++) pv[a] = V_SET1(p[a * max_len + t]);
+        for (int64_t e = 0; e < pft && pfl < npf; e++, pfl++)
+            __builtin_prefetch(pf + pfl * 64, 0, 1);
         const char *row = hb + t * row_bytes;
         if (split)                          /* nc is even: d % (2 VW) == 0 */
             for (int c = 0; c < ATT_VC; c += 2) {
@@ -337,17 +342,18 @@ pv_heads(const int gh, int64_t nc, int split, int bf16, const float *p, int64_t 
 static inline __attribute__((always_inline)) void
 attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const int32_t *table,
                 int64_t ctx, int64_t bs, int64_t hq, int64_t hkv, int64_t d, float *sc,
-                int64_t max_len, float *out) {
+                int64_t max_len, float *out, int64_t max_group) {
     const int64_t VW = GEMM_VW;
     int64_t g = hq / hkv, width = hkv * d, row_bytes = width * (bf16 ? 2 : 4);
     int64_t nblk = (ctx + bs - 1) / bs, esize = bf16 ? 2 : 4;
     int split = split_layout(bf16, d);      /* q arrives split, out is merged at the end */
     /* p . V: as many query heads at a time as have their accumulators fit in ATT_REGS
-     * registers; one at a time for a head size known only at run time (the compiler
-     * cannot size the register arrays then) */
+     * registers, and at most max_group (the caller's, timed per CPU); one at a time for a
+     * head size known only at run time (the compiler cannot size the register arrays then) */
     int64_t nvec = d / VW < ATT_VC ? d / VW : ATT_VC;
     int64_t gmax = !__builtin_constant_p(d) || ATT_REGS / nvec < 1 ? 1
                  : ATT_REGS / nvec < ATT_GH ? ATT_REGS / nvec : ATT_GH;
+    if (max_group < gmax) gmax = max_group < 1 ? 1 : max_group;
     float inv[MAX_HEADS];
     for (int pass = 0; pass < 2; pass++) {       /* 0: scores = q . k;  1: out += p . v */
         const void *cache = pass ? vc : kc;
@@ -401,13 +407,13 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
                      * loaded (and widened) once for all of them */
                     for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += gmax) {
                         int64_t gb = (h + 1) * g - j0 < gmax ? (h + 1) * g - j0 : gmax;
-                        for (int64_t l = j0 * per; l < (j0 + gb) * per && l < lines; l++)
-                            __builtin_prefetch(next + l * 64, 0, 1);
+                        int64_t l0 = j0 * per;
+                        int64_t l1 = (j0 + gb) * per < lines ? (j0 + gb) * per : lines;
                         const float *p = sc + j0 * max_len + t0;
                         for (int64_t c0 = 0; c0 < d; c0 += ATT_VC * VW) {
                             int64_t nc = (d - c0) / VW < ATT_VC ? (d - c0) / VW : ATT_VC;
 #define PV_HEADS(GH) pv_heads(GH, nc, split, bf16, p, max_len, hb, row_bytes, n, c0, \
-                              out + j0 * d, d)
+                              out + j0 * d, d, next + l0 * 64, c0 || l1 < l0 ? 0 : l1 - l0)
                             switch (gb) {            /* register arrays of constant size */
                             case 4: PV_HEADS(4); break;
                             case 3: PV_HEADS(3); break;
@@ -431,9 +437,10 @@ attend_vec_impl(const float *q, const void *kc, const void *vc, int bf16, const 
 
 static void attend(const float *q, const void *kc, const void *vc, int bf16,
                    const int32_t *table, int64_t ctx, int64_t bs, int64_t hq, int64_t hkv,
-                   int64_t d, float *sc, int64_t max_len, float *out) {
+                   int64_t d, float *sc, int64_t max_len, float *out, int64_t max_group) {
 #ifdef GEMM_VW
-#define ATTEND_VEC(D) attend_vec_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, out)
+#define ATTEND_VEC(D) attend_vec_impl(q, kc, vc, bf16, table, ctx, bs, hq, hkv, D, sc, max_len, \
+                                      out, max_group)
     if (d == 64) { ATTEND_VEC(64); return; }
     if (d == 128) { ATTEND_VEC(128); return; }
     if (d % GEMM_VW == 0) { ATTEND_VEC(d); return; }
@@ -449,13 +456,14 @@ static void attend(const float *q, const void *kc, const void *vc, int bf16,
 /* q is taken unscaled, its rows `q_ld` floats apart (a view of the QKV projection's
  * rows): each sequence's row is multiplied by `scale` here (the same fp32 products as a
  * separate pass over [B, Hq, D] would make, without that pass, its copy and its parallel
- * region). Returns 0, or -1 when a dimension exceeds the fixed buffers (the caller falls
- * back). */
+ * region). max_group: at most this many query heads of a KV head at a time in the
+ * weighted sum of V (1: one at a time; the same sums either way). Returns 0, or -1 when a
+ * dimension exceeds the fixed buffers (the caller falls back). */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                            int dtype_bf16, const int32_t *tables, int64_t max_blocks,
                            const int32_t *lens, float *out, int64_t B, int64_t hq, int64_t hkv,
                            int64_t d, int64_t bs, float *scratch, int64_t max_len,
-                           int num_threads, float scale, int64_t q_ld) {
+                           int num_threads, float scale, int64_t q_ld, int max_group) {
     if (hq * d > MAX_ROW || hq > MAX_HEADS || hq % hkv) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < B; b++) {
@@ -468,7 +476,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
 #endif
         for (int64_t i = 0; i < hq * d; i++) qs[i] = q[b * q_ld + i] * scale;
         attend(qs, k_cache, v_cache, dtype_bf16, tables + b * max_blocks, lens[b],
-               bs, hq, hkv, d, sc, max_len, out + b * hq * d);
+               bs, hq, hkv, d, sc, max_len, out + b * hq * d, max_group);
     }
     return 0;
 }

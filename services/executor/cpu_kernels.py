@@ -121,7 +121,7 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.paged_decode_attention.argtypes = [p, p, p, i32, p, i64, p, p, i64, i64, i64, i64, i64,
-                                           p, i64, i32, f32, i64]
+                                           p, i64, i32, f32, i64, i32]
     lib.paged_decode_attention.restype = i32
     lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.add_rms_norm.restype = None
@@ -169,13 +169,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# The most query heads the decode kernel's weighted sum of V takes at once (its ATT_GH).
+HEADS_AT_ONCE = 4
+
+
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, max_len: int,
-                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, out: torch.Tensor | None = None,
+                     heads_at_once: int = HEADS_AT_ONCE) -> torch.Tensor:
     """Attention of one query row per sequence over its paged context: [B, Hq, D] fp32.
 
     tables [B, max_blocks] int32 contiguous, lens [B] int32; caches fp32 or bf16. out: an
-    fp32 contiguous [B, Hq, D] to write into (else a new tensor)."""
+    fp32 contiguous [B, Hq, D] to write into (else a new tensor). heads_at_once: at most
+    this many query heads of a KV head share each read of V (the kernel takes fewer where
+    their sums do not fit its registers; 1: one head at a time); the output is the same."""
     if k_cache.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the CPU decode kernel reads fp32 or bf16 caches, not {k_cache.dtype}")
     nd, hq, d = query.shape
@@ -192,7 +199,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     rc = kernels().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), nd, hq, hkv, d, bs,
-        scratch.data_ptr(), max_len, threads, scale, q.stride(0))
+        scratch.data_ptr(), max_len, threads, scale, q.stride(0), heads_at_once)
     if rc != 0:
         raise ValueError(f"{hq} heads of {d} exceed the CPU decode kernel (at most 256 heads "
                          "and 16384 floats per token): set PAGEDSERVE_CPU_KERNELS=torch")

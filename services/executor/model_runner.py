@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.attention import AttentionMetadata, pick_prefill_paths
+from services.executor.attention import (AttentionMetadata, pick_decode_heads,
+                                         pick_prefill_paths)
 from services.executor.config import ExecutorConfig, ExecutorConfigError
 from services.executor.cpu_gemm import auto_cpu_dtype
 from services.executor.cuda_graphs import DecodeGraphs, GraphCaptureError
@@ -119,6 +120,10 @@ class ModelRunner:
         self.prefill_kernel = (pick_prefill_paths(
             self.args.num_heads, self.args.num_kv_heads, self.args.head_dim, self.dtype,
             self.kv_dtype, self.block_size) if self.device.type == "cpu" else (False, False))
+        # CPU: the decode kernel's query heads together or one at a time (remembered)
+        self.decode_heads = (pick_decode_heads(
+            self.args.num_heads, self.args.num_kv_heads, self.args.head_dim, self.kv_dtype,
+            self.block_size) if self.device.type == "cpu" else 1)
         self.eos_token_id = args.eos_token_ids[0] if args.eos_token_ids else None
         one = block_bytes(self.args.num_layers, self.block_size, self.args.num_kv_heads,
                           self.args.head_dim, self.kv_dtype)
@@ -255,6 +260,7 @@ class ModelRunner:
             meta = AttentionMetadata.build([st.block_table for st in states], computed,
                                            num_tokens, self.block_size, self.device)
             meta.prefill_kernel = self.prefill_kernel
+            meta.decode_heads_at_once = self.decode_heads
             ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             hidden = self.model.forward(ids, meta.positions, meta, self.kv.gpu)
         if not self.is_driver:

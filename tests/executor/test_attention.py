@@ -140,6 +140,33 @@ def test_c_decode_kernel_matches_torch(cache_dtype, tol, hq, hkv, d, bs):
 
 
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (10, 2), (12, 1), (8, 2)])
+@pytest.mark.parametrize("d", [64, 128, 80])
+@pytest.mark.parametrize("bs", [16, 4])
+def test_c_decode_kernel_gives_the_same_bits_with_heads_together_or_one_at_a_time(
+        cache_dtype, hq, hkv, d, bs):
+    """The weighted sum of V takes up to heads_at_once query heads of a KV head at a time
+    (the executor times 4 against 1 per CPU): each limit gives the very same output, bit
+    for bit, over contexts of one to many blocks (the next block's prefetch spread over the
+    tokens of each), and matches plain torch."""
+    g = torch.Generator().manual_seed(d * 100 + hq * 10 + hkv + bs)
+    lens = torch.tensor([1, 5, 16, 17, 33, 200, 47, 64], dtype=torch.int32)
+    max_len, per_seq = int(lens.max()), -(-int(lens.max()) // bs)
+    nb = len(lens) * per_seq
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(cache_dtype)
+    tables = torch.randperm(nb, generator=g).view(len(lens), per_seq).to(torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    outs = {n: cpu_kernels.decode_attention(q, kc, vc, tables, lens, max_len, d ** -0.5,
+                                            heads_at_once=n) for n in (4, 3, 2, 1)}
+    for n in (3, 2, 1):
+        assert torch.equal(outs[n], outs[4]), n
+    ref = _torch_decode(q, kc, vc, tables, lens, d ** -0.5)
+    assert (outs[1] - ref).abs().max() < 2e-5
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
 def test_c_decode_kernel_reads_qkv_rows_and_writes_into_out():
     """The query as the model passes it, a view of the QKV projection's rows (rows apart
     by (Hq + 2 Hkv) D), with `out` the first rows of the layer's output: the same values,
@@ -312,6 +339,43 @@ def test_the_faster_prefill_path_is_timed_once_and_remembered(monkeypatch, tmp_p
     assert attention.pick_prefill_paths(*shape) == (True, True)
     monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", "sdpa")
     assert attention.pick_prefill_paths(*shape) == (False, False)
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_the_decode_kernels_heads_at_once_are_timed_once_and_remembered(monkeypatch, tmp_path):
+    """pick_decode_heads times the decode kernel with the query heads of a KV head
+    together and one at a time, over pools of the model's heads: the slower one loses;
+    the choice is kept under PAGEDSERVE_CACHE_DIR and read back untimed, an unreadable
+    file is timed again, and a model without grouped heads has nothing to time."""
+    import time
+
+    from services.executor import attention
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(attention, "DECODE_TIMING_BYTES", 1 << 20)     # a quick timing
+    monkeypatch.setattr(attention, "DECODE_TIMING_ROUNDS", 2)
+    real, slow, calls = cpu_kernels.decode_attention, {"n": 1}, []
+
+    def kernel(*a, heads_at_once, **kw):
+        calls.append(heads_at_once)
+        if heads_at_once == slow["n"]:
+            time.sleep(0.002)
+        return real(*a, heads_at_once=heads_at_once, **kw)
+    monkeypatch.setattr(cpu_kernels, "decode_attention", kernel)
+    shape = (4, 2, 16, torch.float32, 4)
+    assert attention.pick_decode_heads(*shape) == cpu_kernels.HEADS_AT_ONCE
+    assert set(calls) == {1, cpu_kernels.HEADS_AT_ONCE}
+    slow["n"] = cpu_kernels.HEADS_AT_ONCE
+    calls.clear()
+    assert attention.pick_decode_heads(*shape) == cpu_kernels.HEADS_AT_ONCE   # remembered
+    assert not calls
+    assert attention.pick_decode_heads(4, 2, 16, torch.bfloat16, 4) == 1     # another pool
+    for kept in (tmp_path / "attention").iterdir():
+        kept.write_text("{not json")
+    assert attention.pick_decode_heads(*shape) == 1 and calls
+    calls.clear()
+    assert attention.pick_decode_heads(4, 4, 16, torch.float32, 4) == cpu_kernels.HEADS_AT_ONCE
+    assert not calls                                   # one query head per KV head
 
 
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")

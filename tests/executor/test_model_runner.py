@@ -567,3 +567,28 @@ def test_kv_cache_dtypes_that_do_not_fit_the_model_are_refused_with_a_hint(tiny_
     with pytest.raises(ExecutorConfigError, match="float16 under a float32 model.*bfloat16"):
         tiny_runner(tiny_llama[0], kv_cache_dtype="float16")
     assert tiny_runner(tiny_llama[0], kv_cache_dtype="float32").kv.gpu.dtype == torch.float32
+
+
+def test_decode_steps_take_the_heads_at_once_picked_for_this_cpu(tiny_llama, monkeypatch):
+    """The runner asks pick_decode_heads once, at load, for its model's heads and pool, and
+    every decode step's C kernel call takes that choice; the greedy tokens are those of the
+    heads together."""
+    from services.executor import attention, cpu_kernels, model_runner
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C compiler: no C kernels")
+    folder, _hf = tiny_llama
+    asked, used = [], []
+    monkeypatch.setattr(model_runner, "pick_decode_heads",
+                        lambda *a: asked.append(a) or 1)
+    real = cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention",
+                        lambda *a, **kw: used.append(kw["heads_at_once"]) or real(*a, **kw))
+    one = _generate(tiny_runner(folder), 6)
+    assert asked == [(4, 2, 16, torch.float32, 4)]      # heads of 64 / 4
+    assert used and set(used) == {1}
+    used.clear()
+    monkeypatch.setattr(model_runner, "pick_decode_heads", attention.pick_decode_heads)
+    together = tiny_runner(folder)
+    assert together.decode_heads in (1, cpu_kernels.HEADS_AT_ONCE)
+    assert _generate(together, 6) == one

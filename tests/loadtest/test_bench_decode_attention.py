@@ -42,3 +42,25 @@ def test_bench_decode_attention_times_a_revision_beside_the_current_kernel():
     assert base["rev"] == "HEAD"
     assert all(len(v) == 2 and min(v) > 0 for v in base["ms_per_step"].values())
     assert set(base["speedup"]) == {"float32", "bfloat16"}
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
+def test_bench_decode_attention_times_the_heads_together_and_one_at_a_time():
+    proc = subprocess.run(
+        [sys.executable, "loadtest/bench_decode_attention.py", "--batch", "4", "--context",
+         "40", "--layers", "2", "--reps", "2", "--rounds", "2", "--heads-at-once", "4,1",
+         "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["heads_at_once"] == 4
+    by = out["by_heads_at_once"]
+    assert by["4"]["ms_per_step"] == out["ms_per_step"]
+    assert all(len(v) == 2 and min(v) > 0 for v in by["1"]["ms_per_step"].values())
+    for k in ("float32", "bfloat16"):
+        assert out["vs_first"]["1"][k] == pytest.approx(
+            by["1"]["ms_per_step_median"][k] / out["ms_per_step_median"][k])
+    bad = subprocess.run([sys.executable, "loadtest/bench_decode_attention.py",
+                          "--heads-at-once", "4,0"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--heads-at-once" in bad.stderr
+    assert "Traceback" not in bad.stderr
