@@ -131,3 +131,39 @@ def test_a_served_stream_goes_through_the_writer_and_parses(start_gateway, redis
     assert len(written) >= len(ids) - 1, "the tokens' events went through the writer"
     for k in range(1, len(ids) - 1):
         assert tokenizer.decode(ids[k:k + 1]) in direct
+
+
+def test_a_stream_whose_writer_refuses_is_sent_whole_through_send(
+        start_gateway, redis_proc, tokenizer, monkeypatch):
+    """The follower's reader builds a waiting stream's events and writes them through the
+    BodyWriter; where the writer refuses (a full socket, a body it does not frame), they
+    go through uvicorn's `send` instead: every token arrives once, in order, and each
+    event was offered to the writer first."""
+    refused: list[bytes] = []
+
+    def refusing(self, body: bytes) -> bool:
+        refused.append(body)
+        return False
+
+    monkeypatch.setattr(limits.BodyWriter, "write", refusing)
+    gw = start_gateway()
+    sched = FakeScheduler(redis_proc.url, gw.config.redis_prefix)
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    with httpx.Client(base_url=gw.url, timeout=10) as c:
+        with c.stream("POST", "/v1/completions", json={
+                "prompt": "x", "stream": True, "max_tokens": 10}) as live:
+            rid = sched.take().request.request_id
+            lines = live.iter_lines()
+            got = []
+            for k, t in enumerate(ids):
+                last = k == len(ids) - 1
+                sched.emit(rid, SeqDelta(0, [t], finish_reason="length" if last else None),
+                           finished=last)
+                if not last:
+                    got.append(next(line for line in lines if line.startswith("data: ")))
+            got += [line for line in lines if line]
+    events = [line[len("data: "):] for line in got]
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(d)["choices"][0]["text"] for d in events[:-1]]
+    assert "".join(texts) == tokenizer.decode(ids)
+    assert len(refused) >= len(ids) - 2, "the reader offered the events to the writer first"
