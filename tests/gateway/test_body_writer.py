@@ -92,23 +92,11 @@ def test_the_writer_refuses_whatever_send_would_not_write_at_once():
     asyncio.run(run())
 
 
-def test_a_served_stream_goes_through_the_writer_and_parses(start_gateway, redis_proc,
-                                                            tokenizer, monkeypatch):
-    """Through the real gateway under uvicorn: the stream's events are written by the
-    request's BodyWriter, and a client reads the same stream as ever."""
-    written: list[bytes] = []
-    real = BodyWriter.write
-
-    def counting(self, body: bytes) -> bool:
-        ok = real(self, body)
-        if ok:
-            written.append(body)
-        return ok
-
-    monkeypatch.setattr(limits.BodyWriter, "write", counting)
-    gw = start_gateway()
-    sched = FakeScheduler(redis_proc.url, gw.config.redis_prefix)
-    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+def _stream_token_by_token(gw, redis_url: str, ids: list[int]) -> list[str]:
+    """A streamed completion through the real gateway, fed by a fake scheduler one token
+    at a time (each one's event read before the next is emitted): the texts of its
+    events, checked to be `data:` lines ending with [DONE]."""
+    sched = FakeScheduler(redis_url, gw.config.redis_prefix)
     with httpx.Client(base_url=gw.url, timeout=10) as c:
         with c.stream("POST", "/v1/completions", json={
                 "prompt": "x", "stream": True, "max_tokens": 10}) as live:
@@ -125,7 +113,25 @@ def test_a_served_stream_goes_through_the_writer_and_parses(start_gateway, redis
     assert all(line.startswith("data: ") for line in got), got
     events = [line[len("data: "):] for line in got]
     assert events[-1] == "[DONE]"
-    texts = [json.loads(d)["choices"][0]["text"] for d in events[:-1]]
+    return [json.loads(d)["choices"][0]["text"] for d in events[:-1]]
+
+
+def test_a_served_stream_goes_through_the_writer_and_parses(start_gateway, redis_proc,
+                                                            tokenizer, monkeypatch):
+    """Through the real gateway under uvicorn: the stream's events are written by the
+    request's BodyWriter, and a client reads the same stream as ever."""
+    written: list[bytes] = []
+    real = BodyWriter.write
+
+    def counting(self, body: bytes) -> bool:
+        ok = real(self, body)
+        if ok:
+            written.append(body)
+        return ok
+
+    monkeypatch.setattr(limits.BodyWriter, "write", counting)
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    texts = _stream_token_by_token(start_gateway(), redis_proc.url, ids)
     assert "".join(texts) == tokenizer.decode(ids)
     direct = b"".join(written).decode()
     assert len(written) >= len(ids) - 1, "the tokens' events went through the writer"
@@ -146,24 +152,7 @@ def test_a_stream_whose_writer_refuses_is_sent_whole_through_send(
         return False
 
     monkeypatch.setattr(limits.BodyWriter, "write", refusing)
-    gw = start_gateway()
-    sched = FakeScheduler(redis_proc.url, gw.config.redis_prefix)
     ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
-    with httpx.Client(base_url=gw.url, timeout=10) as c:
-        with c.stream("POST", "/v1/completions", json={
-                "prompt": "x", "stream": True, "max_tokens": 10}) as live:
-            rid = sched.take().request.request_id
-            lines = live.iter_lines()
-            got = []
-            for k, t in enumerate(ids):
-                last = k == len(ids) - 1
-                sched.emit(rid, SeqDelta(0, [t], finish_reason="length" if last else None),
-                           finished=last)
-                if not last:
-                    got.append(next(line for line in lines if line.startswith("data: ")))
-            got += [line for line in lines if line]
-    events = [line[len("data: "):] for line in got]
-    assert events[-1] == "[DONE]"
-    texts = [json.loads(d)["choices"][0]["text"] for d in events[:-1]]
+    texts = _stream_token_by_token(start_gateway(), redis_proc.url, ids)
     assert "".join(texts) == tokenizer.decode(ids)
     assert len(refused) >= len(ids) - 2, "the reader offered the events to the writer first"

@@ -12,14 +12,17 @@ import pytest
 from services.executor import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--batch", "4", "--context", "40", "--layers", "2", "--reps", "2", "--rounds", "2"]
+
+
+def _bench(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "loadtest/bench_decode_attention.py", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
 def test_bench_decode_attention_times_both_caches():
-    proc = subprocess.run(
-        [sys.executable, "loadtest/bench_decode_attention.py", "--batch", "4", "--context",
-         "40", "--layers", "2", "--reps", "2", "--rounds", "2", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = _bench(*SMALL, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert set(out["ms_per_step"]) == {"float32", "bfloat16"}
@@ -33,10 +36,7 @@ def test_bench_decode_attention_times_both_caches():
 
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
 def test_bench_decode_attention_times_a_revision_beside_the_current_kernel():
-    proc = subprocess.run(
-        [sys.executable, "loadtest/bench_decode_attention.py", "--batch", "4", "--context",
-         "40", "--layers", "2", "--reps", "2", "--rounds", "2", "--baseline", "HEAD",
-         "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _bench(*SMALL, "--baseline", "HEAD", "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     base = json.loads(proc.stdout)["baseline"]
     assert base["rev"] == "HEAD"
@@ -46,10 +46,7 @@ def test_bench_decode_attention_times_a_revision_beside_the_current_kernel():
 
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: no C kernels")
 def test_bench_decode_attention_times_the_heads_together_and_one_at_a_time():
-    proc = subprocess.run(
-        [sys.executable, "loadtest/bench_decode_attention.py", "--batch", "4", "--context",
-         "40", "--layers", "2", "--reps", "2", "--rounds", "2", "--heads-at-once", "4,1",
-         "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = _bench(*SMALL, "--heads-at-once", "4,1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["heads_at_once"] == 4
@@ -59,8 +56,6 @@ def test_bench_decode_attention_times_the_heads_together_and_one_at_a_time():
     for k in ("float32", "bfloat16"):
         assert out["vs_first"]["1"][k] == pytest.approx(
             by["1"]["ms_per_step_median"][k] / out["ms_per_step_median"][k])
-    bad = subprocess.run([sys.executable, "loadtest/bench_decode_attention.py",
-                          "--heads-at-once", "4,0"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    bad = _bench("--heads-at-once", "4,0", timeout=60)
     assert bad.returncode == 2 and "--heads-at-once" in bad.stderr
     assert "Traceback" not in bad.stderr
