@@ -300,7 +300,8 @@ static inline void merge_row(float *row, int64_t d, float scale) {
  * of the head: o (the first head's output row) += sum over t of p[t] V[t], the heads'
  * score rows `max_len` apart from p; each V vector is loaded (and widened) once for all
  * gh heads. The npf 64-byte lines from pf (the next block's) are prefetched spread over
- * the tokens: issued at once, more lines than the core tracks at a time are dropped. */
+ * the tokens, a few a token: issued all at once before a group of heads, they measured
+ * slower on the AMD EPYC Zen 4 (docs/executor.md). */
 static inline __attribute__((always_inline)) void
 pv_heads(const int gh, int64_t nc, int split, int bf16, const float *p, int64_t max_len,
          const char *hb, int64_t row_bytes, int64_t n, int64_t c0, float *o, int64_t d,
