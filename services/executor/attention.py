@@ -215,6 +215,19 @@ def cpu_paged_attention(query, key, value, k_cache, v_cache, meta: AttentionMeta
     return out
 
 
+def _medians_in_turns(candidates: tuple, run, rounds: int) -> dict:
+    """Seconds of run(c) for each candidate: the median of `rounds` timings, the candidates
+    in turns (their order reversed every other round), after one round that warms them up."""
+    times: dict = {c: [] for c in candidates}
+    for r in range(rounds + 1):
+        for c in (candidates if r % 2 else candidates[::-1]):
+            t0 = time.perf_counter()
+            run(c)
+            if r:
+                times[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(t) for c, t in times.items()}
+
+
 # SDPA is picked over the C prefill kernel only when it times this much faster: closer, the
 # timings at start do not tell them apart.
 PREFILL_MARGIN = 1.05
@@ -264,16 +277,12 @@ def _faster_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     pools = [torch.randn(nblocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
              for _ in range(2)]
     own = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
-    times: dict[bool, list[float]] = {True: [], False: []}
+    def run(use_kernel: bool) -> None:
+        meta.prefill_kernel = (use_kernel, use_kernel)
+        cpu_paged_attention(q, *own, *pools, meta, scale)
     with torch.inference_mode():
-        for r in range(6):
-            for use_kernel in ((True, False) if r % 2 else (False, True)):
-                meta.prefill_kernel = (use_kernel, use_kernel)
-                t0 = time.perf_counter()
-                cpu_paged_attention(q, *own, *pools, meta, scale)
-                if r:                                   # the first round warms both up
-                    times[use_kernel].append(time.perf_counter() - t0)
-    kernel, sdpa = statistics.median(times[True]), statistics.median(times[False])
+        medians = _medians_in_turns((True, False), run, 5)
+    kernel, sdpa = medians[True], medians[False]
     best = "sdpa" if sdpa * PREFILL_MARGIN < kernel else "kernel"
     log.info("%s prefill attention: %s (256 tokens, %s model, %s pool: kernel %.0f us, "
              "SDPA %.0f us)", kind, best, str(dtype)[6:], str(kv_dtype)[6:], kernel * 1e6,
@@ -326,17 +335,13 @@ def _faster_decode(heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dty
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=g)
     out = torch.empty(batch, heads, head_dim)
-    times: dict[int, list[float]] = {cpu_kernels.HEADS_AT_ONCE: [], 1: []}
-    for r in range(DECODE_TIMING_ROUNDS + 1):
-        for n in (times if r % 2 else reversed(times)):
-            t0 = time.perf_counter()
-            for k, v in pools:
-                cpu_kernels.decode_attention(q, k, v, tables, lens, context, head_dim ** -0.5,
-                                             out=out, heads_at_once=n)
-            if r:                                   # the first round pages the pools in
-                times[n].append(time.perf_counter() - t0)
-    together = statistics.median(times[cpu_kernels.HEADS_AT_ONCE])
-    one = statistics.median(times[1])
+    def step(n: int) -> None:
+        for k, v in pools:
+            cpu_kernels.decode_attention(q, k, v, tables, lens, context, head_dim ** -0.5,
+                                         out=out, heads_at_once=n)
+    # (the round that warms up also pages the pools in)
+    medians = _medians_in_turns((cpu_kernels.HEADS_AT_ONCE, 1), step, DECODE_TIMING_ROUNDS)
+    together, one = medians[cpu_kernels.HEADS_AT_ONCE], medians[1]
     best = "one at a time" if one < together else "together"
     log.info("decode attention: query heads %s (%s pool, %d layers of %d x %d tokens: "
              "together %.2f ms, one at a time %.2f ms)", best, str(kv_dtype)[6:], len(pools),
